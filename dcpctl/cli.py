@@ -1,0 +1,32 @@
+"""The `dcpctl` command: sub-apps for plans, models, runs, evals and benchmarks."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+
+from dcpctl import plan_cmd
+from engine.errors import UserError
+
+app = typer.Typer(
+    help="Run and check decode context parallelism (DCP) layouts for LLM inference.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.add_typer(plan_cmd.app, name="plan")
+
+
+def main() -> None:
+    """Console entry point: user errors print one line and exit 1, never a traceback."""
+    try:
+        app(standalone_mode=True)
+    except UserError as exc:
+        Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""`dcpctl plan validate` and `dcpctl plan show`: rendering of plan reports (no torch)."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from dcpctl.args import split_plans_and_overrides
+from engine import dcp
+from engine.kv_sizing import format_bytes
+from engine.plan.checks import PlanReport, validate_plan_file
+from engine.plan.loader import plan_to_dict
+
+app = typer.Typer(help="Validate and inspect parallelism plans.", no_args_is_help=True)
+RANK_COLORS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
+
+
+def _kv_cell(report: PlanReport) -> str:
+    if report.kv is None:
+        return "-"
+    return f"{format_bytes(report.kv.bytes_per_rank)} / {report.kv.tokens_per_rank} tok"
+
+
+def report_to_dict(report: PlanReport) -> dict:
+    """A JSON-ready summary of a plan report (what `--json` prints)."""
+    data: dict = {
+        "plan": report.name,
+        "source": report.source,
+        "valid": report.valid,
+        "errors": [{"field": e.field, "message": e.message, "file": e.file, "line": e.line} for e in report.errors],
+        "warnings": report.warnings,
+        "notes": report.notes,
+    }
+    if report.loaded is not None:
+        data["resolved"] = {
+            "device": report.device,
+            "dtype": report.dtype,
+            "cache_dtype": report.cache_dtype,
+            "attention_backend": report.backend,
+            "world_size": report.world_size,
+            "max_model_len": report.max_model_len,
+            "model_path": str(report.model_path) if report.model_path else None,
+        }
+        data["config"] = plan_to_dict(report.plan)
+    if report.layout is not None:
+        data["layout"] = {
+            "kind": report.layout.kind,
+            "kv_replication": report.layout.replication,
+            "replicas": report.layout.replicas,
+        }
+    if report.kv is not None:
+        data["kv_cache"] = {
+            "bytes_per_rank": report.kv.bytes_per_rank,
+            "blocks_per_rank": report.kv.num_blocks,
+            "tokens_per_rank": report.kv.tokens_per_rank,
+            "token_capacity": report.kv.token_capacity,
+            "bytes_per_token_per_rank": report.kv.bytes_per_token,
+        }
+    return data
+
+
+def render_validation(console: Console, reports: list[PlanReport]) -> None:
+    """The validation table, then every error, warning and note under it."""
+    table = Table(title="Plan validation", header_style="bold")
+    for column in ("plan", "world", "tp", "dcp", "interleave", "block", "KV per rank", "status"):
+        table.add_column(column, justify="left" if column in ("plan", "status", "KV per rank") else "right")
+    for r in reports:
+        p = r.loaded.plan.parallel if r.loaded else None
+        status = Text("valid", style="green") if r.valid else Text(f"invalid ({len(r.errors)})", style="bold red")
+        table.add_row(
+            r.name,
+            str(r.world_size or "?"),
+            str(p.tp if p else "?"),
+            str(p.dcp if p else "?"),
+            str(p.interleave if p else "?"),
+            str(r.loaded.plan.cache.block_size if r.loaded else "?"),
+            _kv_cell(r),
+            status,
+        )
+    console.print(table)
+    for r in reports:
+        for e in r.errors:
+            console.print(Text.assemble(("error ", "bold red"), f"{r.name}: ", str(e)))
+        for w in r.warnings:
+            console.print(Text.assemble(("warning ", "yellow"), f"{r.name}: {w}"))
+        for n in r.notes:
+            console.print(Text.assemble(("note ", "dim"), f"{r.name}: {n}"))
+
+
+@app.command("validate")
+def validate(
+    args: Annotated[list[str], typer.Argument(help="Plan files, then KEY=VALUE overrides for every plan.")],
+    strict: Annotated[bool, typer.Option(help="Fail when the model folder is absent.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the reports as JSON.")] = False,
+) -> None:
+    """Check plans against the schema, the layout rules and the model; exit 1 if any is invalid."""
+    plans, overrides = split_plans_and_overrides(args)
+    reports = [validate_plan_file(p, overrides, strict=strict) for p in plans]
+    if as_json:
+        typer.echo(json.dumps([report_to_dict(r) for r in reports], indent=2))
+    else:
+        render_validation(Console(), reports)
+    raise typer.Exit(0 if all(r.valid for r in reports) else 1)
+
+
+def ownership_picture(length: int, block_size: int, interleave: int, dcp_size: int) -> Text:
+    """Positions 0..length-1 coloured by owning DCP rank; '|' marks a virtual block boundary."""
+    span = block_size * dcp_size
+    per_row = span * max(1, 64 // span) if span <= 64 else 64
+    text = Text()
+    for row_start in range(0, length, per_row):
+        text.append(f"{row_start:>6} ", style="dim")
+        for p in range(row_start, min(length, row_start + per_row)):
+            if p % span == 0:
+                text.append("|" if p else " ", style="bold white")
+            elif p == row_start:
+                text.append(" ")
+            rank = dcp.owner(p, interleave, dcp_size)
+            text.append(str(rank % 10), style=f"bold {RANK_COLORS[rank % len(RANK_COLORS)]}")
+        text.append("\n")
+    return text
+
+
+def _render_show(console: Console, report: PlanReport, positions: int) -> None:
+    plan = report.plan
+    p, c = plan.parallel, plan.cache
+    console.print(Text.assemble(("plan ", "bold"), plan.name, "  ", (plan.description, "dim")))
+    console.print(
+        f"model {plan.model.path} -> {report.model_path}  dtype {report.dtype}  "
+        f"cache dtype {report.cache_dtype}  device {report.device}  backend {report.backend}"
+    )
+    layout = report.layout
+    if layout is not None:
+        dcp_kind = {
+            "none": "off",
+            "tp": "inside the TP group",
+            "replica": f"with {layout.replicas} replicas of the TP group",
+        }[layout.kind]
+        mla = " (MLA latent)" if layout.is_mla else ""
+        console.print(
+            f"layout: tp={p.tp} dcp={p.dcp} kv heads={layout.num_kv_heads}{mla}, KV replication "
+            f"R={layout.replication}, DCP {dcp_kind}, world size {layout.world_size}"
+        )
+        ranks = Table(title="Ranks", header_style="bold")
+        for column in ("rank", "replica", "tp rank", "dcp group", "dcp rank", "kv heads", "device"):
+            ranks.add_column(column, justify="right")
+        local = max(1, layout.world_size // max(1, plan.launch.nnodes))
+        for role in layout.roles():
+            device = "cpu" if report.device == "cpu" else f"cuda:{role.rank % local}"
+            heads = "latent" if layout.is_mla else f"{role.kv_head_start}..{role.kv_head_start + role.kv_heads - 1}"
+            ranks.add_row(
+                str(role.rank),
+                str(role.replica),
+                str(role.tp_rank),
+                str(role.dcp_group),
+                Text(str(role.dcp_rank), style=RANK_COLORS[role.dcp_rank % len(RANK_COLORS)]),
+                heads,
+                device,
+            )
+        console.print(ranks)
+        console.print(f"TP groups: {layout.tp_groups()}   DCP groups: {layout.dcp_groups()}")
+    else:
+        console.print("[yellow]rank table needs the model's head counts (model folder absent or plan invalid)[/]")
+    if report.kv is not None:
+        kv = report.kv
+        console.print(
+            f"KV cache per rank: {format_bytes(kv.bytes_per_rank)} = {kv.num_blocks} blocks x "
+            f"{kv.block_size} tokens x {kv.bytes_per_token} B/token; holds {kv.tokens_per_rank} tokens "
+            f"per rank, {kv.token_capacity} tokens of sequences across dcp={kv.dcp}"
+        )
+    console.print(
+        f"ownership of positions 0..{positions - 1} by DCP rank (interleave {p.interleave}, "
+        f"block {c.block_size}, virtual block = {c.block_size * p.dcp} tokens):"
+    )
+    console.print(ownership_picture(positions, c.block_size, p.interleave, p.dcp))
+
+
+@app.command("show")
+def show(
+    args: Annotated[list[str], typer.Argument(help="A plan file, then KEY=VALUE overrides.")],
+    positions: Annotated[int, typer.Option(help="How many positions the ownership picture shows.")] = 128,
+) -> None:
+    """Draw a plan's ranks, groups, KV memory per rank and token ownership."""
+    plans, overrides = split_plans_and_overrides(args)
+    if len(plans) != 1:
+        raise typer.BadParameter("plan show takes exactly one plan file")
+    report = validate_plan_file(plans[0], overrides)
+    console = Console()
+    if report.loaded is None or any(e.field in ("parallel.interleave", "cache.block_size") for e in report.errors):
+        render_validation(console, [report])
+        raise typer.Exit(1)
+    _render_show(console, report, positions)
+    if not report.valid:
+        render_validation(console, [report])
+        raise typer.Exit(1)

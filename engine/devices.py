@@ -1,0 +1,43 @@
+"""What devices this machine has, found without importing torch (plan checks stay fast)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cuda_device_count() -> int:
+    """Visible NVIDIA GPUs: the driver's /proc entries, filtered by CUDA_VISIBLE_DEVICES."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    present = len(list(gpus.iterdir())) if gpus.is_dir() else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return present
+    ids = [v for v in visible.split(",") if v.strip() and v.strip() != "-1"]
+    return min(present, len(ids))
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (free RAM for new allocations), 0 if unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def resolve_device(requested: str) -> str:
+    """'auto' becomes 'cuda' when a GPU is visible, else 'cpu'."""
+    if requested != "auto":
+        return requested
+    return "cuda" if cuda_device_count() > 0 else "cpu"

@@ -1,0 +1,8 @@
+"""Errors that reach the user as one line, without a traceback."""
+
+
+class UserError(Exception):
+    """A problem with the user's input (a plan, a request, a model folder).
+
+    The message must say what is wrong and how to fix it; the CLI prints it as one line.
+    """

@@ -1,0 +1,80 @@
+"""How many KV blocks and tokens a per-rank byte budget buys (shared by plan checks and the engine)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from engine.errors import UserError
+from engine.model_info import ModelInfo
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_MEMORY = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_memory(text: str) -> tuple[int | None, float | None]:
+    """'2GiB' -> (bytes, None); '0.5' -> (None, fraction of free device memory)."""
+    match = _MEMORY.match(str(text))
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise UserError(f"cache.memory={text!r} is not a size like '2GiB', '512MiB' or a fraction like 0.5")
+    value = float(match.group(1))
+    if not unit and value <= 1.0:
+        if value <= 0:
+            raise UserError(f"cache.memory={text!r} must be positive")
+        return None, value
+    return int(value * _UNITS[unit]), None
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size, e.g. '1.5 GiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class KVSizing:
+    """The KV cache one rank allocates: `num_blocks` blocks of `block_size` token slots."""
+
+    bytes_per_token: int  # one rank, all layers
+    block_size: int
+    dcp: int
+    num_blocks: int
+
+    @property
+    def bytes_per_rank(self) -> int:
+        return self.num_blocks * self.block_size * self.bytes_per_token
+
+    @property
+    def tokens_per_rank(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def token_capacity(self) -> int:
+        """Tokens of sequences the whole DCP group can hold (each rank stores 1/dcp)."""
+        return self.tokens_per_rank * self.dcp
+
+
+def kv_sizing(info: ModelInfo, tp: int, dcp: int, block_size: int, dtype_bytes: int, budget_bytes: int) -> KVSizing:
+    """Blocks that fit in `budget_bytes` on one rank for this model and layout."""
+    per_token = info.kv_bytes_per_token(tp, dtype_bytes)
+    return KVSizing(
+        bytes_per_token=per_token,
+        block_size=block_size,
+        dcp=dcp,
+        num_blocks=max(0, budget_bytes // (per_token * block_size)),
+    )

@@ -1,0 +1,304 @@
+"""Cross-checks of a loaded plan against the rules of DESIGN.md and the model's config.json.
+
+Every problem is collected (not just the first), each naming the field, the values, the rule
+and a fix. The result also carries the resolved settings (device, dtypes, backend, world size,
+layout, KV sizing) that `plan show` displays and the engine runs with.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine import devices
+from engine.checkpoints.aliases import is_alias, resolve_model_path
+from engine.errors import UserError
+from engine.kv_sizing import KVSizing, format_bytes, kv_sizing, parse_memory
+from engine.model_info import ModelInfo, dtype_bytes, read_model_info
+from engine.parallel_layout import ParallelLayout, layout_problems
+from engine.plan.loader import LoadedPlan, PlanLoadError, PlanProblem, load_plan
+from engine.plan.schema import BACKENDS, DEVICES, DIST_BACKENDS, DTYPES, Plan
+
+
+@dataclass
+class PlanReport:
+    """Outcome of validating one plan, plus what it resolves to."""
+
+    source: str
+    name: str = ""
+    loaded: LoadedPlan | None = None
+    errors: list[PlanProblem] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    model: ModelInfo | None = None
+    model_path: Path | None = None
+    layout: ParallelLayout | None = None
+    kv: KVSizing | None = None
+    device: str = ""
+    dtype: str = ""
+    cache_dtype: str = ""
+    backend: str = ""
+    max_model_len: int | None = None
+    kv_budget_bytes: int | None = None
+
+    @property
+    def valid(self) -> bool:
+        return not self.errors
+
+    @property
+    def plan(self) -> Plan:
+        assert self.loaded is not None
+        return self.loaded.plan
+
+    @property
+    def world_size(self) -> int | None:
+        if self.layout is not None:
+            return self.layout.world_size
+        return None
+
+    def error(self, key: str, message: str) -> None:
+        file, line = self.loaded.where(key) if self.loaded else (self.source, None)
+        self.errors.append(PlanProblem(key, message, file, line))
+
+
+def _choice(report: PlanReport, key: str, value: str, choices: tuple[str, ...]) -> bool:
+    if value in choices:
+        return True
+    close = difflib.get_close_matches(value, choices, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    report.error(key, f"{key}={value!r} is not one of {', '.join(choices)}{hint}")
+    return False
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_static(report: PlanReport, plan: Plan) -> None:
+    p, c, s, lch = plan.parallel, plan.cache, plan.scheduler, plan.launch
+    if p.pp != 1:
+        report.error("parallel.pp", f"parallel.pp={p.pp}: pipeline parallelism is not supported yet; set parallel.pp=1")
+    if c.block_size < 1:
+        report.error("cache.block_size", f"cache.block_size={c.block_size} must be >= 1 (e.g. 16 or 64)")
+    elif not 1 <= p.interleave <= c.block_size or c.block_size % p.interleave:
+        report.error(
+            "parallel.interleave",
+            f"parallel.interleave={p.interleave} does not divide cache.block_size={c.block_size}; "
+            f"use one of {', '.join(map(str, _divisors(c.block_size)))}",
+        )
+    _choice(report, "model.dtype", plan.model.dtype, DTYPES)
+    _choice(report, "cache.dtype", c.dtype, DTYPES)
+    _choice(report, "attention.backend", plan.attention.backend, BACKENDS)
+    _choice(report, "launch.device", lch.device, DEVICES)
+    _choice(report, "launch.dist_backend", lch.dist_backend, DIST_BACKENDS)
+    if s.max_num_seqs < 1:
+        report.error("scheduler.max_num_seqs", f"scheduler.max_num_seqs={s.max_num_seqs} must be >= 1")
+    if s.max_num_batched_tokens < 1:
+        report.error(
+            "scheduler.max_num_batched_tokens",
+            f"scheduler.max_num_batched_tokens={s.max_num_batched_tokens} must be >= 1",
+        )
+    if plan.model.max_model_len is not None and plan.model.max_model_len < 1:
+        report.error("model.max_model_len", f"model.max_model_len={plan.model.max_model_len} must be >= 1")
+    if lch.nnodes < 1:
+        report.error("launch.nnodes", f"launch.nnodes={lch.nnodes} must be >= 1")
+    elif not 0 <= lch.node_rank < lch.nnodes:
+        report.error(
+            "launch.node_rank",
+            f"launch.node_rank={lch.node_rank} must be in 0..{lch.nnodes - 1} (launch.nnodes={lch.nnodes})",
+        )
+    if lch.nnodes > 1 and lch.master_port == 0 and not lch.rdzv_endpoint:
+        report.error(
+            "launch.master_port",
+            "a multi-node launch needs launch.master_port (the same on every node) or launch.rdzv_endpoint",
+        )
+    if not 0 <= lch.master_port <= 65535:
+        report.error("launch.master_port", f"launch.master_port={lch.master_port} is not a port (0 picks a free one)")
+    if not 0 <= plan.serve.port <= 65535:
+        report.error("serve.port", f"serve.port={plan.serve.port} is not a port number (1..65535)")
+    if lch.dist_backend == "nccl" and report.device == "cpu":
+        report.error("launch.dist_backend", "launch.dist_backend=nccl needs CUDA; use gloo (or auto) on CPU")
+    if lch.threads_per_rank < 0:
+        report.error(
+            "launch.threads_per_rank",
+            f"launch.threads_per_rank={lch.threads_per_rank} must be >= 0 (0: cores / local ranks)",
+        )
+    try:
+        report.kv_budget_bytes, fraction = parse_memory(c.memory)
+    except UserError as exc:
+        report.error("cache.memory", str(exc))
+        return
+    if fraction is not None and report.device == "cpu":
+        local = max(1, (report.world_size or plan.parallel.tp) // max(1, lch.nnodes))
+        report.kv_budget_bytes = int(fraction * devices.available_memory_bytes() / local)
+        report.notes.append(
+            f"cache.memory={c.memory}: {format_bytes(report.kv_budget_bytes)} per rank "
+            f"({fraction:g} of free RAM over {local} local ranks)"
+        )
+    elif fraction is not None:
+        report.notes.append(f"cache.memory={c.memory}: the byte budget is measured on the GPU at launch")
+
+
+def _resolve_dtypes(report: PlanReport, plan: Plan) -> None:
+    if plan.model.dtype != "auto":
+        report.dtype = plan.model.dtype
+    elif report.device == "cpu":
+        report.dtype = "float32"
+    else:
+        ckpt = report.model.torch_dtype if report.model else "bfloat16"
+        report.dtype = ckpt if ckpt in ("bfloat16", "float16") else "bfloat16"
+    report.cache_dtype = report.dtype if plan.cache.dtype == "auto" else plan.cache.dtype
+
+
+def _resolve_backend(report: PlanReport, plan: Plan) -> None:
+    requested = plan.attention.backend
+    is_mla = bool(report.model and report.model.is_mla)
+    has_flash = importlib.util.find_spec("flash_attn") is not None
+    if requested == "auto":
+        if report.device != "cuda":
+            report.backend = "torch"
+        else:
+            report.backend = "flash_attn" if has_flash and not is_mla else "triton"
+        return
+    report.backend = requested
+    if requested == "flash_attn":
+        if report.device != "cuda":
+            report.error(
+                "attention.backend",
+                "attention.backend=flash_attn needs CUDA (launch.device=cuda); use torch or triton on CPU",
+            )
+        elif not has_flash:
+            report.error(
+                "attention.backend",
+                "attention.backend=flash_attn needs the flash-attn package (pip install 'dcpctl[gpu]'); or use triton",
+            )
+        elif is_mla:
+            report.notes.append("attention.backend=flash_attn: MLA layers use the Triton kernels")
+    if requested == "triton" and report.device == "cpu":
+        report.warnings.append("attention.backend=triton on CPU runs in the Triton interpreter (slow; for tests)")
+
+
+def _check_model(report: PlanReport, plan: Plan, info: ModelInfo) -> None:
+    p = plan.parallel
+    problems = layout_problems(p.tp, p.dcp, info.num_heads, info.num_kv_heads, info.is_mla)
+    for key, message in problems:
+        report.error(key, message)
+    if not problems:
+        report.layout = ParallelLayout.build(p.tp, p.dcp, info.num_heads, info.num_kv_heads, info.is_mla)
+    for name, size in (
+        ("intermediate_size", info.intermediate_size),
+        ("moe_intermediate_size", info.moe_intermediate_size),
+    ):
+        if not problems and size and size % p.tp:
+            report.error("parallel.tp", f"parallel.tp={p.tp} does not divide the model's {name}={size}")
+    limit = info.max_position_embeddings
+    if plan.model.max_model_len is not None and plan.model.max_model_len > limit:
+        report.error(
+            "model.max_model_len",
+            f"model.max_model_len={plan.model.max_model_len} exceeds the model's "
+            f"max_position_embeddings={limit}; use at most {limit}",
+        )
+    report.max_model_len = min(plan.model.max_model_len or limit, limit)
+
+
+def _check_kv(report: PlanReport, plan: Plan, info: ModelInfo) -> None:
+    if report.kv_budget_bytes is None or report.layout is None or plan.cache.block_size < 1:
+        return
+    try:
+        elem = dtype_bytes(report.cache_dtype)
+    except UserError:
+        return
+    kv = kv_sizing(info, plan.parallel.tp, plan.parallel.dcp, plan.cache.block_size, elem, report.kv_budget_bytes)
+    report.kv = kv
+    need = report.max_model_len or 0
+    if kv.token_capacity < need:
+        span = kv.block_size * kv.dcp
+        blocks = -(-need // span)
+        budget = blocks * kv.block_size * kv.bytes_per_token
+        report.error(
+            "cache.memory",
+            f"cache.memory={plan.cache.memory} holds {kv.token_capacity} tokens "
+            f"({kv.num_blocks} blocks of {kv.block_size} per rank x dcp {kv.dcp}), fewer than one "
+            f"sequence of model.max_model_len={need}; raise cache.memory to at least "
+            f"{format_bytes(budget)} or lower model.max_model_len",
+        )
+    if not plan.scheduler.chunked_prefill and plan.scheduler.max_num_batched_tokens < need:
+        report.error(
+            "scheduler.max_num_batched_tokens",
+            f"scheduler.max_num_batched_tokens={plan.scheduler.max_num_batched_tokens} is below "
+            f"model.max_model_len={need} with chunked_prefill off, so long prompts could never be "
+            f"scheduled; enable scheduler.chunked_prefill or raise the token budget",
+        )
+
+
+def _check_devices(report: PlanReport, plan: Plan) -> None:
+    world = report.world_size
+    if world is None:
+        return
+    nnodes = max(1, plan.launch.nnodes)
+    if world % nnodes:
+        report.error(
+            "launch.nnodes",
+            f"world size {world} (tp={plan.parallel.tp} x replicas "
+            f"{report.layout.replicas}) is not divisible by launch.nnodes={nnodes}",
+        )
+        return
+    local = world // nnodes
+    if report.device == "cuda":
+        gpus = devices.cuda_device_count()
+        if gpus < local:
+            report.error(
+                "launch.device",
+                f"the plan needs {local} GPUs on this node (world size {world} over "
+                f"{nnodes} node(s)) but {gpus} are visible; lower parallel.tp/dcp or add nodes",
+            )
+        if plan.launch.dist_backend == "gloo":
+            report.warnings.append("launch.dist_backend=gloo on CUDA moves tensors through host memory (slow)")
+    else:
+        cores = devices.cpu_cores()
+        if local > cores:
+            report.warnings.append(
+                f"{local} ranks on {cores} CPU cores: ranks share cores (fine for checking correctness, slow for speed)"
+            )
+
+
+def check_plan(loaded: LoadedPlan, strict: bool = False) -> PlanReport:
+    """Validate a loaded plan against every rule; never raises for a bad plan."""
+    plan = loaded.plan
+    report = PlanReport(source=str(loaded.source), name=plan.name, loaded=loaded)
+    report.device = devices.resolve_device(plan.launch.device) if plan.launch.device in DEVICES else "cpu"
+    report.model_path = resolve_model_path(plan.model.path)
+    info = None
+    if (report.model_path / "config.json").is_file():
+        try:
+            info = read_model_info(report.model_path)
+        except UserError as exc:
+            report.error("model.path", str(exc))
+    else:
+        hint = f"run `dcpctl model pull {plan.model.path}`" if is_alias(plan.model.path) else "fix model.path"
+        message = f"model folder {report.model_path} not found; model checks skipped ({hint})"
+        if strict:
+            report.error("model.path", message.replace("model checks skipped", "required by --strict"))
+        else:
+            report.notes.append(message)
+    report.model = info
+    if info is not None:
+        _check_model(report, plan, info)
+    _resolve_dtypes(report, plan)
+    _check_static(report, plan)
+    _resolve_backend(report, plan)
+    if info is not None:
+        _check_kv(report, plan, info)
+    _check_devices(report, plan)
+    return report
+
+
+def validate_plan_file(path: str | Path, overrides: list[str] | None = None, strict: bool = False) -> PlanReport:
+    """Load and check one plan file; schema problems come back as errors in the report."""
+    try:
+        loaded = load_plan(path, overrides)
+    except PlanLoadError as exc:
+        return PlanReport(source=str(path), name=Path(path).stem, errors=list(exc.problems))
+    return check_plan(loaded, strict=strict)

@@ -1,0 +1,88 @@
+"""The plan schema: typed sections that OmegaConf validates a YAML plan against.
+
+Key names are a contract (other tools read them); README.md's plan reference documents each
+field, its default and its rule. Choice-valued fields are plain strings checked in `checks.py`
+so that every problem of a plan can be reported at once, with a suggestion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omegaconf import MISSING
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+BACKENDS = ("auto", "torch", "triton", "flash_attn")
+DEVICES = ("auto", "cpu", "cuda")
+DIST_BACKENDS = ("auto", "gloo", "nccl")
+
+# vLLM's name for parallel.interleave, accepted as an alias.
+KEY_ALIASES = {"parallel.cp_kv_cache_interleave_size": "parallel.interleave"}
+
+
+@dataclass
+class ModelSection:
+    path: str = MISSING
+    dtype: str = "auto"
+    max_model_len: int | None = None
+
+
+@dataclass
+class ParallelSection:
+    tp: int = 1
+    dcp: int = 1
+    interleave: int = 1
+    pp: int = 1
+
+
+@dataclass
+class CacheSection:
+    block_size: int = 16
+    # Bytes with a unit ("2GiB", "512MiB") or a fraction of free device memory ("0.5").
+    memory: str = "1GiB"
+    dtype: str = "auto"
+
+
+@dataclass
+class AttentionSection:
+    backend: str = "auto"
+
+
+@dataclass
+class SchedulerSection:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    chunked_prefill: bool = True
+
+
+@dataclass
+class LaunchSection:
+    device: str = "auto"
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: pick a free port (single node)
+    rdzv_endpoint: str | None = None
+    dist_backend: str = "auto"
+    threads_per_rank: int = 0  # 0: cores / local ranks
+
+
+@dataclass
+class ServeSection:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str | None = None  # the name /v1/models reports; default: the plan name
+
+
+@dataclass
+class Plan:
+    name: str = ""
+    description: str = ""
+    base: str | None = None
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    cache: CacheSection = field(default_factory=CacheSection)
+    attention: AttentionSection = field(default_factory=AttentionSection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    launch: LaunchSection = field(default_factory=LaunchSection)
+    serve: ServeSection = field(default_factory=ServeSection)

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Make .venv from nothing: torch 2.13.0 first (the CPU wheel; an unpinned torch may pull a
+# multi-GB CUDA build), then dcpctl with its test extra. Idempotent; safe to re-run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+.venv/bin/python -m pip install -q -e ".[test]"
+echo "dcpctl installed in $(pwd)/.venv (activate with: . .venv/bin/activate)"

@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny config-only model folders and plan files in tmp dirs."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+
+def write_config(folder: Path, **fields) -> Path:
+    """A config.json-only model folder (enough for plan checks): Llama-like unless fields say otherwise."""
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 1024,
+        "intermediate_size": 128,
+        "torch_dtype": "float32",
+    }
+    config.update(fields)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def mla_fields(**fields) -> dict:
+    """config.json fields of a small DeepseekV2 (MLA) model."""
+    base = {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "num_attention_heads": 4,
+        "kv_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "moe_intermediate_size": 32,
+    }
+    base.update(fields)
+    return base
+
+
+@pytest.fixture
+def make_plan(tmp_path):
+    """Write a plan file (YAML text, dedented) into tmp_path and return its path."""
+
+    def _make(text: str, name: str = "plan.yaml") -> Path:
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(text))
+        return path
+
+    return _make
+
+
+@pytest.fixture
+def llama_folder(tmp_path) -> Path:
+    return write_config(tmp_path / "llama")

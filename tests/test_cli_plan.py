@@ -1,0 +1,85 @@
+"""`dcpctl plan validate` / `plan show` through Typer's CliRunner: exit codes, JSON, pictures."""
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from dcpctl.cli import app
+from tests.conftest import mla_fields, write_config
+
+runner = CliRunner()
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_shipped_plans_validate():
+    plans = sorted(str(p) for p in (REPO / "plans").rglob("*.yaml"))
+    result = runner.invoke(app, ["plan", "validate", *plans])
+    assert result.exit_code == 0, result.output
+    assert "tp2_dcp2_i64" in result.output
+
+
+def test_exit_codes_valid_invalid_usage(make_plan, llama_folder):
+    good = make_plan(f"model: {{path: {llama_folder}}}\n", "good.yaml")
+    bad = make_plan(f"model: {{path: {llama_folder}}}\nparallel: {{interleave: 3}}\n", "bad.yaml")
+    assert runner.invoke(app, ["plan", "validate", str(good)]).exit_code == 0
+    result = runner.invoke(app, ["plan", "validate", str(good), str(bad)])
+    assert result.exit_code == 1
+    assert "parallel.interleave=3 does not divide cache.block_size=16" in " ".join(result.output.split())
+    assert runner.invoke(app, ["plan", "validate"]).exit_code == 2
+    assert runner.invoke(app, ["plan", "validate", "--nope", str(good)]).exit_code == 2
+
+
+def test_overrides_apply_to_every_plan(make_plan, llama_folder):
+    good = make_plan(f"model: {{path: {llama_folder}}}\ncache: {{block_size: 64}}\n")
+    result = runner.invoke(app, ["plan", "validate", str(good), "parallel.interleave=48", "--json"])
+    assert result.exit_code == 1
+    (report,) = json.loads(result.output)
+    assert report["errors"][0]["field"] == "parallel.interleave"
+    assert report["errors"][0]["file"] == "command line"
+
+
+def test_json_report(make_plan, tmp_path):
+    folder = write_config(tmp_path / "mla", **mla_fields())
+    path = make_plan(
+        f"model: {{path: {folder}}}\nparallel: {{tp: 2, dcp: 2, interleave: 4}}\n"
+        "launch: {device: cpu}\ncache: {memory: 1MiB}\n"
+    )
+    result = runner.invoke(app, ["plan", "validate", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    (report,) = json.loads(result.output)
+    assert report["valid"] and report["resolved"]["world_size"] == 2
+    assert report["layout"] == {"kind": "tp", "kv_replication": 2, "replicas": 1}
+    assert report["kv_cache"]["token_capacity"] == report["kv_cache"]["tokens_per_rank"] * 2
+    assert report["config"]["parallel"]["interleave"] == 4
+
+
+def test_show_draws_ranks_and_ownership(make_plan, tmp_path):
+    folder = write_config(tmp_path / "mla", **mla_fields())
+    path = make_plan(
+        f"model: {{path: {folder}}}\nparallel: {{tp: 2, dcp: 2, interleave: 2}}\n"
+        "cache: {block_size: 4, memory: 1MiB}\nlaunch: {device: cpu}\n"
+    )
+    result = runner.invoke(app, ["plan", "show", str(path), "--positions", "16"])
+    assert result.exit_code == 0, result.output
+    assert "DCP groups: [[0, 1]]" in result.output
+    assert "virtual block = 8 tokens" in " ".join(result.output.split())
+    # interleave 2 over dcp 2: 0011 repeating; '|' after each 8-token virtual block
+    assert "00110011|00110011" in result.output.replace(" ", "")
+
+
+def test_show_block_interleave(make_plan, tmp_path):
+    folder = write_config(tmp_path / "kv1", num_key_value_heads=1)
+    path = make_plan(
+        f"model: {{path: {folder}}}\nparallel: {{tp: 2, dcp: 2, interleave: 4}}\n"
+        "cache: {block_size: 4, memory: 1MiB}\nlaunch: {device: cpu}\n"
+    )
+    result = runner.invoke(app, ["plan", "show", str(path), "--positions", "16"])
+    assert "00001111|00001111" in result.output.replace(" ", "")
+
+
+def test_show_invalid_plan_exits_1(make_plan, llama_folder):
+    path = make_plan(f"model: {{path: {llama_folder}}}\nparallel: {{interleave: 5}}\n")
+    result = runner.invoke(app, ["plan", "show", str(path)])
+    assert result.exit_code == 1
+    assert "does not divide cache.block_size" in " ".join(result.output.split())

@@ -1,0 +1,178 @@
+"""Cross-checks of plans against DESIGN.md's rules and the model config."""
+
+import pytest
+
+from engine.plan.checks import validate_plan_file
+from tests.conftest import mla_fields, write_config
+
+
+def check(make_plan, text, overrides=None, strict=False):
+    return validate_plan_file(make_plan(text), overrides, strict=strict)
+
+
+def messages(report):
+    return [e.message for e in report.errors]
+
+
+def test_valid_plan_resolves_settings(make_plan, llama_folder):
+    report = check(
+        make_plan,
+        f"model: {{path: {llama_folder}}}\nparallel: {{tp: 2, dcp: 2, interleave: 4}}\n"
+        "launch: {device: cpu}\ncache: {memory: 1MiB}\n",
+    )
+    assert report.valid, messages(report)
+    assert (report.device, report.dtype, report.cache_dtype, report.backend) == ("cpu", "float32", "float32", "torch")
+    assert report.world_size == 4  # 2 KV heads over tp 2: R = 1, so dcp 2 adds a replica
+    assert report.layout.kind == "replica"
+    # 2 layers x 2 (K,V) x 1 KV head x 8 dims x 4 bytes = 128 bytes/token/rank; 1 MiB / (16 x 128) = 512 blocks
+    assert (report.kv.bytes_per_token, report.kv.num_blocks, report.kv.token_capacity) == (128, 512, 512 * 16 * 2)
+
+
+def test_interleave_must_divide_block_size(make_plan, llama_folder):
+    report = check(
+        make_plan, f"model: {{path: {llama_folder}}}\ncache: {{block_size: 64}}\nparallel: {{interleave: 48}}\n"
+    )
+    assert messages(report) == [
+        "parallel.interleave=48 does not divide cache.block_size=64; use one of 1, 2, 4, 8, 16, 32, 64"
+    ]
+    assert report.errors[0].line == 3
+
+
+def test_interleave_above_block_size(make_plan, llama_folder):
+    report = check(
+        make_plan, f"model: {{path: {llama_folder}}}\ncache: {{block_size: 16}}\nparallel: {{interleave: 32}}\n"
+    )
+    assert "parallel.interleave=32 does not divide cache.block_size=16" in messages(report)[0]
+
+
+def test_all_problems_reported_at_once(make_plan, llama_folder):
+    report = check(
+        make_plan,
+        f"model: {{path: {llama_folder}, dtype: fp32}}\nparallel: {{tp: 3, pp: 2}}\n"
+        "attention: {backend: trition}\nlaunch: {device: cpu, dist_backend: nccl}\n",
+    )
+    fields = sorted(e.field for e in report.errors)
+    assert fields == ["attention.backend", "launch.dist_backend", "model.dtype", "parallel.pp", "parallel.tp"], fields
+    text = " | ".join(messages(report))
+    assert "model.dtype='fp32' is not one of auto, float32, bfloat16, float16" in text
+    assert "(did you mean 'triton'?)" in text
+    assert "pipeline parallelism is not supported yet; set parallel.pp=1" in text
+    assert "parallel.tp=3 does not divide the model's 8 attention heads; use tp in 1, 2, 4, 8" in text
+    assert "launch.dist_backend=nccl needs CUDA" in text
+
+
+def test_gqa_dcp_inside_tp(make_plan, tmp_path):
+    folder = write_config(tmp_path / "kv1", num_key_value_heads=1)
+    report = check(make_plan, f"model: {{path: {folder}}}\nparallel: {{tp: 2, dcp: 2}}\nlaunch: {{device: cpu}}\n")
+    assert report.valid and report.layout.kind == "tp" and report.world_size == 2
+
+
+def test_dcp_not_matching_replication(make_plan, tmp_path):
+    folder = write_config(tmp_path / "kv2", num_key_value_heads=2)
+    report = check(make_plan, f"model: {{path: {folder}}}\nparallel: {{tp: 4, dcp: 3}}\n")
+    assert messages(report) == [
+        "parallel.dcp=3 neither divides nor is a multiple of the KV replication R=2 "
+        "(2 KV heads over tp=4); use dcp in 1, 2, 4, 6, 8, 10, 12, 14, 16, or change "
+        "parallel.tp"
+    ]
+
+
+def test_mla_model_rules(make_plan, tmp_path):
+    folder = write_config(tmp_path / "mla", **mla_fields())
+    report = check(
+        make_plan,
+        f"model: {{path: {folder}}}\nparallel: {{tp: 2, dcp: 2}}\ncache: {{memory: 1MiB}}\nlaunch: {{device: cpu}}\n",
+    )
+    assert report.valid, messages(report)
+    assert report.layout.kind == "tp" and report.world_size == 2
+    assert report.kv.bytes_per_token == 2 * (32 + 8) * 4  # latent + rope, one "head", 2 layers, fp32
+    report = check(make_plan, f"model: {{path: {folder}}}\nparallel: {{tp: 2}}\n", strict=False)
+    folder2 = write_config(tmp_path / "mla_odd", **mla_fields(moe_intermediate_size=33))
+    report = check(make_plan, f"model: {{path: {folder2}}}\nparallel: {{tp: 2}}\n")
+    assert "parallel.tp=2 does not divide the model's moe_intermediate_size=33" in messages(report)
+
+
+def test_max_model_len_limit(make_plan, llama_folder):
+    report = check(make_plan, f"model: {{path: {llama_folder}, max_model_len: 4096}}\n")
+    assert messages(report) == [
+        "model.max_model_len=4096 exceeds the model's max_position_embeddings=1024; use at most 1024"
+    ]
+
+
+def test_kv_budget_too_small(make_plan, llama_folder):
+    report = check(make_plan, f"model: {{path: {llama_folder}}}\ncache: {{memory: 64KiB}}\nlaunch: {{device: cpu}}\n")
+    (message,) = messages(report)
+    # 2 layers x 2 x 2 kv heads x 8 dims x 4 B = 256 B/token; 64 KiB = 16 blocks of 16 = 256 tokens < 1024
+    assert message == (
+        "cache.memory=64KiB holds 256 tokens (16 blocks of 16 per rank x dcp 1), fewer than one "
+        "sequence of model.max_model_len=1024; raise cache.memory to at least 256.0 KiB or lower "
+        "model.max_model_len"
+    )
+
+
+def test_bad_memory_text(make_plan, llama_folder):
+    report = check(make_plan, f"model: {{path: {llama_folder}}}\ncache: {{memory: lots}}\n")
+    assert messages(report) == ["cache.memory='lots' is not a size like '2GiB', '512MiB' or a fraction like 0.5"]
+
+
+def test_fraction_memory_on_cpu(make_plan, llama_folder):
+    report = check(make_plan, f"model: {{path: {llama_folder}}}\ncache: {{memory: 0.01}}\nlaunch: {{device: cpu}}\n")
+    assert report.kv_budget_bytes > 0 and any("of free RAM" in n for n in report.notes)
+
+
+def test_no_chunked_prefill_needs_budget(make_plan, llama_folder):
+    report = check(
+        make_plan,
+        f"model: {{path: {llama_folder}}}\nscheduler: {{chunked_prefill: false, max_num_batched_tokens: 256}}\n",
+    )
+    assert any("with chunked_prefill off" in m for m in messages(report))
+
+
+def test_missing_model_is_a_note_unless_strict(make_plan, tmp_path):
+    text = f"model: {{path: {tmp_path / 'absent'}}}\nparallel: {{tp: 2, dcp: 2}}\n"
+    report = check(make_plan, text)
+    assert report.valid and "model checks skipped" in report.notes[0]
+    strict = check(make_plan, text, strict=True)
+    assert not strict.valid and "required by --strict" in messages(strict)[0]
+
+
+def test_unsupported_architecture(make_plan, tmp_path):
+    folder = write_config(tmp_path / "gpt2", architectures=["GPT2LMHeadModel"])
+    report = check(make_plan, f"model: {{path: {folder}}}\n")
+    assert "unsupported architecture 'GPT2LMHeadModel'; supported: LlamaForCausalLM" in messages(report)[0]
+
+
+def test_flash_attn_on_cpu_is_an_error(make_plan, llama_folder):
+    report = check(
+        make_plan, f"model: {{path: {llama_folder}}}\nattention: {{backend: flash_attn}}\nlaunch: {{device: cpu}}\n"
+    )
+    assert messages(report) == [
+        "attention.backend=flash_attn needs CUDA (launch.device=cuda); use torch or triton on CPU"
+    ]
+
+
+def test_many_cpu_ranks_warn(make_plan, tmp_path):
+    folder = write_config(tmp_path / "kv1", num_key_value_heads=1, num_attention_heads=16)
+    report = check(make_plan, f"model: {{path: {folder}}}\nparallel: {{tp: 16}}\nlaunch: {{device: cpu}}\n")
+    assert report.valid and any("ranks share cores" in w for w in report.warnings)
+
+
+def test_cuda_without_gpus(make_plan, llama_folder, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    report = check(make_plan, f"model: {{path: {llama_folder}}}\nparallel: {{tp: 2}}\nlaunch: {{device: cuda}}\n")
+    assert "the plan needs 2 GPUs on this node (world size 2 over 1 node(s)) but 0 are visible" in messages(report)[0]
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("launch: {nnodes: 2}\n", "a multi-node launch needs launch.master_port"),
+        ("launch: {nnodes: 2, node_rank: 2, master_port: 29500}\n", "launch.node_rank=2 must be in 0..1"),
+        ("serve: {port: 70000}\n", "serve.port=70000 is not a port number"),
+        ("scheduler: {max_num_seqs: 0}\n", "scheduler.max_num_seqs=0 must be >= 1"),
+        ("cache: {block_size: 0}\n", "cache.block_size=0 must be >= 1"),
+    ],
+)
+def test_static_rules(make_plan, llama_folder, text, fragment):
+    report = check(make_plan, f"model: {{path: {llama_folder}}}\n{text}")
+    assert any(fragment in m for m in messages(report)), messages(report)
