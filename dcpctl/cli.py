@@ -7,7 +7,7 @@ import sys
 import typer
 from rich.console import Console
 
-from dcpctl import plan_cmd
+from dcpctl import model_cmd, plan_cmd, run_cmd
 from engine.errors import UserError
 
 app = typer.Typer(
@@ -17,6 +17,8 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(plan_cmd.app, name="plan")
+app.add_typer(model_cmd.app, name="model")
+app.command("run")(run_cmd.run)
 
 
 def main() -> None:

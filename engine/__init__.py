@@ -1,0 +1,23 @@
+"""The dcpctl inference engine. `from engine import LLM, SamplingParams` (torch loads on first use)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.llm import LLM, RequestOutput
+    from engine.sequence import SamplingParams
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("LLM", "RequestOutput"):
+        from engine import llm
+
+        return getattr(llm, name)
+    if name == "SamplingParams":
+        from engine.sequence import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

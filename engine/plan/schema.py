@@ -41,6 +41,7 @@ class CacheSection:
     # Bytes with a unit ("2GiB", "512MiB") or a fraction of free device memory ("0.5").
     memory: str = "1GiB"
     dtype: str = "auto"
+    prefix_caching: bool = True  # reuse cached KV blocks of identical prompt prefixes
 
 
 @dataclass

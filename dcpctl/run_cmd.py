@@ -1,0 +1,88 @@
+"""`dcpctl run PLAN`: serve the plan's engine, or generate offline with --prompt / --prompts-file."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from dcpctl.args import split_plans_and_overrides
+from engine.errors import UserError
+
+
+def run(
+    args: Annotated[list[str], typer.Argument(help="A plan file, then KEY=VALUE overrides.")],
+    prompt: Annotated[list[str] | None, typer.Option("--prompt", help="A prompt (repeatable): offline mode.")] = None,
+    prompts_file: Annotated[
+        Path | None, typer.Option(help="One prompt per line, or JSONL with a 'prompt' field.")
+    ] = None,
+    max_tokens: Annotated[int, typer.Option(help="New tokens per prompt.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    top_k: Annotated[int, typer.Option(help="0: off.")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Per-request sampling seed.")] = None,
+    stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")] = None,
+    ignore_eos: Annotated[bool, typer.Option(help="Keep generating past EOS (benchmarks).")] = False,
+    logprobs: Annotated[int | None, typer.Option(help="Record top-N logprobs of each generated token.")] = None,
+    output: Annotated[Path | None, typer.Option(help="Write one JSON object per prompt (JSONL), in order.")] = None,
+) -> None:
+    """Launch the plan's ranks (torchrun for more than one) and serve an OpenAI-compatible API,
+    or generate for the given prompts and print a results table."""
+    from engine.llm import resolve_report
+    from engine.offline import OfflineJob, read_prompts
+
+    plans, overrides = split_plans_and_overrides(args)
+    if len(plans) != 1:
+        raise typer.BadParameter("dcpctl run takes one plan file")
+    report = resolve_report(plans[0], overrides)
+    if report.model is None:
+        raise UserError(
+            f"plan {report.name}: model folder {report.model_path} not found "
+            f"(run `dcpctl model pull {report.plan.model.path}` or fix model.path)"
+        )
+    prompts = list(prompt or []) + (read_prompts(prompts_file) if prompts_file else [])
+    if not prompts:
+        return _serve(report, overrides)
+    params = {
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "seed": seed,
+        "stop": list(stop or []),
+        "ignore_eos": ignore_eos,
+        "logprobs": logprobs,
+    }
+    from engine.sequence import SamplingParams
+
+    SamplingParams(**params).validate()
+    job = OfflineJob(prompts=prompts, params=params, output=str(output) if output else None)
+    if report.world_size == 1:
+        from engine.llm import LLM
+        from engine.offline import run_offline
+
+        with LLM(report) as llm:
+            run_offline(llm, job)
+        return None
+    from engine.launcher import launch
+
+    with tempfile.TemporaryDirectory(prefix="dcpctl-job-") as tmp:
+        job_file = Path(tmp) / "job.json"
+        job.save(job_file)
+        launch(report, overrides, ["--job-file", str(job_file)])
+    return None
+
+
+def _serve(report, overrides: list[str]) -> None:
+    from engine.launcher import ensure_port_free, launch
+
+    serve = report.plan.serve
+    ensure_port_free(serve.host, serve.port, "serve.port")
+    if report.world_size == 1:
+        from engine.server import serve_plan
+
+        serve_plan(report)
+    else:
+        launch(report, overrides, ["--serve"])

@@ -1,0 +1,1 @@
+"""Attention backends (torch reference, Triton, flash-attn) and the DCP combine."""

@@ -1,0 +1,187 @@
+"""Process groups of a plan's layout and the collectives the layers use.
+
+One module-level `ParallelContext` (set once per process by `init_parallel`) tells the layers
+their TP and DCP groups; model code stays free of rank arithmetic. With a world of one every
+collective is skipped. CPU: gloo for everything. CUDA: NCCL for tensors plus a gloo group for
+host metadata (the per-step plans rank 0 broadcasts).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from engine.parallel_layout import ParallelLayout, RankRole
+
+# Collectives between ranks that compute: a dead or stuck rank surfaces as an error, not a hang.
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("DCPCTL_COLLECTIVE_TIMEOUT", "300"))
+# Followers wait on the control group while a server is idle; torchrun ends them if rank 0 dies.
+CONTROL_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+@dataclass
+class ParallelContext:
+    """This rank's place in the layout and its process groups (None when the group has one rank)."""
+
+    layout: ParallelLayout
+    rank: int
+    local_rank: int
+    device: torch.device
+    role: RankRole
+    tp_group: dist.ProcessGroup | None = None
+    dcp_group: dist.ProcessGroup | None = None
+    query_group: dist.ProcessGroup | None = None
+    control_group: dist.ProcessGroup | None = None  # gloo, all ranks: step plans
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.role.tp_rank
+
+    @property
+    def dcp_size(self) -> int:
+        return self.layout.dcp
+
+    @property
+    def dcp_rank(self) -> int:
+        return self.role.dcp_rank
+
+    @property
+    def q_span(self) -> int:
+        return self.layout.q_span
+
+    @property
+    def q_rank(self) -> int:
+        """Index of this rank's query heads inside its DCP group's gathered heads."""
+        return self.role.tp_rank % self.layout.q_span
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def computes_logits(self) -> bool:
+        """Only replica 0's TP group runs the LM head (rank 0 samples from its output)."""
+        return self.role.replica == 0
+
+
+_CONTEXT: ParallelContext | None = None
+
+
+def get_parallel() -> ParallelContext:
+    if _CONTEXT is None:
+        raise RuntimeError("the parallel context is not initialised (engine.distributed.init_parallel)")
+    return _CONTEXT
+
+
+def set_parallel(context: ParallelContext) -> None:
+    global _CONTEXT
+    _CONTEXT = context
+
+
+def init_single(layout: ParallelLayout, device: torch.device) -> ParallelContext:
+    """Context for a one-rank world: no process group at all."""
+    context = ParallelContext(layout=layout, rank=0, local_rank=0, device=device, role=layout.role(0))
+    set_parallel(context)
+    return context
+
+
+def _groups(layout_groups: list[list[int]], rank: int, backend: str, timeout: datetime.timedelta):
+    """Create every group (all ranks must call new_group for each); return this rank's, None if it has one rank."""
+    mine, size = None, 1
+    for ranks in layout_groups:
+        group = dist.new_group(ranks, backend=backend, timeout=timeout)
+        if rank in ranks:
+            mine, size = group, len(ranks)
+    return mine if size > 1 else None
+
+
+def init_parallel(layout: ParallelLayout, device_type: str, dist_backend: str) -> ParallelContext:
+    """Join the torchrun world (env:// rendezvous) and build the layout's groups for this rank."""
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if world != layout.world_size:
+        raise RuntimeError(f"torchrun started {world} ranks but the plan's layout needs {layout.world_size}")
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    backend = dist_backend if dist_backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    dist.init_process_group(backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+    context = ParallelContext(layout=layout, rank=rank, local_rank=local_rank, device=device, role=layout.role(rank))
+    context.tp_group = _groups(layout.tp_groups(), rank, backend, timeout)
+    context.dcp_group = _groups(layout.dcp_groups(), rank, backend, timeout)
+    context.query_group = _groups(layout.query_groups(), rank, backend, timeout)
+    context.control_group = dist.new_group(
+        list(range(world)), backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S)
+    )
+    set_parallel(context)
+    return context
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum over the group in place (no-op for a one-rank group)."""
+    if group is not None:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Concatenate every rank's `x` along dim 0, in group-rank order."""
+    if group is None:
+        return x
+    size = dist.get_world_size(group)
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum over the group and keep this rank's dim-0 chunk."""
+    if group is None:
+        return x
+    size = dist.get_world_size(group)
+    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def gather_to_first(x: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor] | None:
+    """Every rank's `x` on the group's first rank (None elsewhere)."""
+    if group is None:
+        return [x]
+    first = dist.get_global_rank(group, 0)
+    if dist.get_rank() == first:
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.gather(x.contiguous(), parts, dst=first, group=group)
+        return parts
+    dist.gather(x.contiguous(), None, dst=first, group=group)
+    return None
+
+
+def broadcast_object(obj: object, group: dist.ProcessGroup | None) -> object:
+    """Send rank 0's `obj` (picklable) to every rank of the control group."""
+    if group is None:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]

@@ -1,0 +1,329 @@
+"""Rank 0's engine loop: admit requests, schedule a step, send it to every rank, sample, finish.
+
+`start_rank` is what every rank runs to join the layout and build its model runner; rank 0 then
+wraps its runner in an `LLMEngine`, and the other ranks run `follow` until rank 0 stops them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine import devices
+from engine.attention.backend import create_backend
+from engine.block_manager import BlockManager
+from engine.detokenizer import Detokenizer
+from engine.distributed import ParallelContext, broadcast_object, init_parallel, init_single
+from engine.errors import UserError
+from engine.kv_sizing import kv_sizing, parse_memory
+from engine.model_info import dtype_bytes
+from engine.model_runner import DTYPES, CacheLayout, ModelRunner, StepLogits
+from engine.plan.checks import PlanReport
+from engine.sampler import sample, token_logprobs
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import SamplingParams, Sequence
+from engine.step import StepPlan
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The slice of a resolved plan the engine runs with."""
+
+    model_path: Path
+    dtype: str
+    cache_dtype: str
+    device: str
+    dist_backend: str
+    attention_backend: str
+    block_size: int
+    interleave: int
+    max_model_len: int
+    kv_budget_bytes: int | None  # None: a fraction of free device memory, measured after loading
+    kv_memory_fraction: float | None
+    scheduler: SchedulerConfig
+    prefix_caching: bool
+    threads_per_rank: int
+    nnodes: int
+
+    @classmethod
+    def from_report(cls, report: PlanReport) -> EngineConfig:
+        if not report.valid:
+            raise UserError(f"plan {report.name} is invalid: " + "; ".join(str(e) for e in report.errors))
+        if report.model is None:
+            raise UserError(
+                f"plan {report.name}: model folder {report.model_path} not found "
+                f"(run `dcpctl model pull {report.plan.model.path}` or fix model.path)"
+            )
+        plan = report.plan
+        _, fraction = parse_memory(plan.cache.memory)
+        max_len = report.max_model_len or report.model.max_position_embeddings
+        return cls(
+            model_path=report.model_path,
+            dtype=report.dtype,
+            cache_dtype=report.cache_dtype,
+            device=report.device,
+            dist_backend=plan.launch.dist_backend,
+            attention_backend=report.backend,
+            block_size=plan.cache.block_size,
+            interleave=plan.parallel.interleave,
+            max_model_len=max_len,
+            kv_budget_bytes=report.kv_budget_bytes if fraction is None or report.device == "cpu" else None,
+            kv_memory_fraction=fraction,
+            scheduler=SchedulerConfig(
+                plan.scheduler.max_num_seqs,
+                plan.scheduler.max_num_batched_tokens,
+                plan.scheduler.chunked_prefill,
+                max_len,
+            ),
+            prefix_caching=plan.cache.prefix_caching,
+            threads_per_rank=plan.launch.threads_per_rank,
+            nnodes=plan.launch.nnodes,
+        )
+
+
+def _set_threads(config: EngineConfig, par: ParallelContext) -> None:
+    if config.device != "cpu":
+        return
+    local = max(1, par.world_size // max(1, config.nnodes))
+    torch.set_num_threads(config.threads_per_rank or max(1, devices.cpu_cores() // local))
+
+
+def _num_blocks(config: EngineConfig, report: PlanReport, runner: ModelRunner, par: ParallelContext) -> int:
+    if config.kv_budget_bytes is not None:
+        assert report.kv is not None
+        return report.kv.num_blocks
+    free, _ = torch.cuda.mem_get_info(par.device)
+    budget = int(free * config.kv_memory_fraction)
+    sizing = kv_sizing(
+        report.model, par.tp_size, par.dcp_size, config.block_size, dtype_bytes(config.cache_dtype), budget
+    )
+    blocks = torch.tensor([sizing.num_blocks], device=par.device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(blocks, op=torch.distributed.ReduceOp.MIN)
+    return int(blocks.item())
+
+
+def start_rank(report: PlanReport) -> tuple[EngineConfig, ParallelContext, ModelRunner]:
+    """Join the plan's layout (torchrun world, or a single process) and build this rank's runner."""
+    from transformers import AutoConfig
+
+    config = EngineConfig.from_report(report)
+    layout = report.layout
+    device = torch.device("cuda" if config.device == "cuda" else "cpu")
+    if layout.world_size == 1 and "RANK" not in os.environ:
+        par = init_single(layout, device)
+    else:
+        par = init_parallel(layout, config.device, config.dist_backend)
+    _set_threads(config, par)
+    hf_config = AutoConfig.from_pretrained(config.model_path)
+    runner = ModelRunner(
+        hf_config,
+        config.model_path,
+        par,
+        DTYPES[config.dtype],
+        create_backend(config.attention_backend),
+        config.max_model_len,
+    )
+    runner.allocate_cache(
+        CacheLayout(
+            num_blocks=_num_blocks(config, report, runner, par),
+            block_size=config.block_size,
+            interleave=config.interleave,
+            dtype=DTYPES[config.cache_dtype],
+        )
+    )
+    return config, par, runner
+
+
+def follow(par: ParallelContext, runner: ModelRunner) -> None:
+    """Non-driver ranks: run every step rank 0 sends until it sends None."""
+    while True:
+        plan = broadcast_object(None, par.control_group)
+        if plan is None:
+            return
+        runner.execute(plan)
+
+
+def _eos_ids(folder: Path, hf_config, tokenizer) -> set[int]:
+    from transformers import GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(folder).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list | tuple) else {int(eos)}
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    """The driver: owns tokenizer, scheduler and block manager; runs steps on every rank."""
+
+    def __init__(self, config: EngineConfig, par: ParallelContext, runner: ModelRunner):
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.config = config
+        self.par = par
+        self.runner = runner
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.eos_ids = _eos_ids(config.model_path, AutoConfig.from_pretrained(config.model_path), self.tokenizer)
+        cache = runner.cache_layout
+        self.blocks = BlockManager(cache.num_blocks, cache.block_size, par.dcp_size, config.prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.blocks)
+        self.requests: dict[str, Sequence] = {}
+        self.generators: dict[int, torch.Generator] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._stopped = False
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    def tokenize(self, prompt: str) -> list[int]:
+        """Token ids as the model's tokenizer makes them by default (special tokens as HF adds them)."""
+        return self.tokenizer(prompt).input_ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        """Queue a request; a UserError says why it cannot run (bad parameters, too long)."""
+        params.validate()
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise UserError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise UserError(
+                f"the prompt has {len(ids)} tokens but the plan's max_model_len is {self.max_model_len}; "
+                f"shorten the prompt or raise model.max_model_len"
+            )
+        vocab = self.runner.vocab_size
+        if max(ids) >= vocab or min(ids) < 0:
+            raise UserError(f"prompt token ids must be in 0..{vocab - 1}")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise UserError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, ids, params, prompt=text)
+        if params.seed is not None:
+            self.generators[seq.seq_id] = torch.Generator(device=self.par.device).manual_seed(params.seed)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        self.stats.prompt_tokens += len(ids)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks (no-op if it already finished)."""
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self._finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _finish(self, seq: Sequence, reason: str, flush: bool = True) -> None:
+        if flush:
+            self.detokenizer.step(seq, final=True)
+        self.scheduler.finish(seq, reason)
+        self.generators.pop(seq.seq_id, None)
+        self.requests.pop(seq.request_id, None)
+        seq.finish_time = time.perf_counter()
+
+    def step(self) -> list[Sequence]:
+        """Run one step on every rank; returns the sequences that got a token or finished."""
+        plan, seqs = self.scheduler.schedule()
+        if not plan.chunks:
+            return []
+        broadcast_object(plan, self.par.control_group)
+        result = self.runner.execute(plan)
+        self.scheduler.step_done(seqs, plan)
+        self.stats.steps += 1
+        return self._process(plan, seqs, result)
+
+    def _process(self, plan: StepPlan, seqs: list[Sequence], result: StepLogits | None) -> list[Sequence]:
+        updated: list[Sequence] = []
+        sampled_rows, sampled_seqs = [], []
+        for i, (seq, chunk) in enumerate(zip(seqs, plan.chunks, strict=True)):
+            first, count = result.chunk_rows[i] if result else (0, 0)
+            if chunk.prompt_logprobs and count:
+                self._record_prompt_logprobs(seq, chunk.start, result.logits[first : first + count])
+            if chunk.sample:
+                sampled_rows.append(first + count - 1)
+                sampled_seqs.append(seq)
+        if not sampled_seqs:
+            return updated
+        logits = result.logits[sampled_rows]
+        params = [s.params for s in sampled_seqs]
+        tokens = sample(logits, params, [self.generators.get(s.seq_id) for s in sampled_seqs]).tolist()
+        now = time.perf_counter()
+        for row, (seq, token) in enumerate(zip(sampled_seqs, tokens, strict=True)):
+            if seq.params.max_tokens == 0:
+                self._finish(seq, "length")
+                updated.append(seq)
+                continue
+            if seq.params.logprobs is not None:
+                seq.logprobs.extend(token_logprobs(logits[row : row + 1], [token], seq.params.logprobs))
+            seq.token_ids.append(token)
+            self.stats.generated_tokens += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            self._check_stop(seq, token)
+            updated.append(seq)
+        return updated
+
+    def _record_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
+        if not seq.prompt_logprobs:
+            seq.prompt_logprobs.append(None)  # the first prompt token has no logprob
+        rows, targets = [], []
+        for i in range(logits.shape[0]):
+            position = start + i + 1
+            if position < seq.num_prompt_tokens and position == len(seq.prompt_logprobs) + len(rows):
+                rows.append(i)
+                targets.append(seq.token_ids[position])
+        if rows:
+            seq.prompt_logprobs.extend(token_logprobs(logits[rows], targets, seq.params.prompt_logprobs))
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        new_text = self.detokenizer.step(seq)
+        if not params.ignore_eos and token in self.eos_ids:
+            return self._finish(seq, "stop")
+        if token in params.stop_token_ids:
+            seq.stop_reason = token
+            return self._finish(seq, "stop")
+        if params.stop and new_text:
+            text = seq.output_text
+            longest = max(len(s) for s in params.stop)
+            window_start = max(0, len(text) - len(new_text) - longest + 1)
+            hits = [(text.find(s, window_start), s) for s in params.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                index, stop = min(hits)
+                seq.output_text = text[:index]
+                seq.stop_reason = stop
+                return self._finish(seq, "stop", flush=False)
+        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            return self._finish(seq, "length")
+        return None
+
+    def shutdown(self) -> None:
+        """Tell the other ranks to stop (idempotent)."""
+        if not self._stopped:
+            self._stopped = True
+            broadcast_object(None, self.par.control_group)

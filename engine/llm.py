@@ -1,0 +1,121 @@
+"""The Python API: `LLM(plan).generate(prompts, params)`.
+
+A one-rank plan runs in this process. A plan of several ranks runs when this script is itself
+started by torchrun (every rank constructs `LLM`; ranks other than 0 serve rank 0 and exit when
+it closes); otherwise use `dcpctl run`, which launches the ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.engine_core import LLMEngine, follow, start_rank
+from engine.errors import UserError
+from engine.plan.checks import PlanReport, validate_plan_file
+from engine.sequence import SamplingParams, Sequence, TokenLogprob
+
+
+@dataclass
+class RequestOutput:
+    """What one finished request produced."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]  # generated ids only, the EOS id included when generation ended on it
+    finish_reason: str
+    stop_reason: str | int | None
+    logprobs: list[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob | None]
+    num_preemptions: int
+    ttft_s: float | None
+    latency_s: float | None
+
+    @classmethod
+    def from_sequence(cls, seq: Sequence) -> RequestOutput:
+        ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time else None
+        latency = seq.finish_time - seq.arrival_time if seq.finish_time else None
+        return cls(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            text=seq.output_text,
+            token_ids=seq.output_token_ids,
+            finish_reason=seq.finish_reason or "",
+            stop_reason=seq.stop_reason,
+            logprobs=seq.logprobs,
+            prompt_logprobs=seq.prompt_logprobs,
+            num_preemptions=seq.num_preemptions,
+            ttft_s=ttft,
+            latency_s=latency,
+        )
+
+
+def resolve_report(plan: str | Path | PlanReport, overrides: list[str] | None = None) -> PlanReport:
+    """A validated plan report; a UserError lists every problem of an invalid plan."""
+    report = plan if isinstance(plan, PlanReport) else validate_plan_file(plan, overrides)
+    if not report.valid:
+        raise UserError(f"plan {report.name} is invalid: " + "; ".join(str(e) for e in report.errors))
+    return report
+
+
+class LLM:
+    """Offline generation with a plan."""
+
+    def __init__(self, plan: str | Path | PlanReport, overrides: list[str] | None = None):
+        report = resolve_report(plan, overrides)
+        if report.layout is not None and report.layout.world_size > 1 and "RANK" not in os.environ:
+            raise UserError(
+                f"plan {report.name} needs {report.layout.world_size} ranks: run it with "
+                f"`dcpctl run {report.source}` (or start this script with torchrun)"
+            )
+        self.report = report
+        config, par, runner = start_rank(report)
+        if not par.is_driver:
+            follow(par, runner)
+            sys.exit(0)
+        self.engine = LLMEngine(config, par, runner)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]] | str,
+        params: SamplingParams | list[SamplingParams] | None = None,
+        on_finish: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in input order.
+
+        A prompt that cannot run (too long, bad ids) raises UserError before anything runs.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise UserError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        seqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        pending = {s.seq_id for s in seqs}
+        while pending:
+            for seq in self.engine.step():
+                if seq.is_finished and seq.seq_id in pending:
+                    pending.discard(seq.seq_id)
+                    if on_finish is not None:
+                        on_finish(RequestOutput.from_sequence(seq))
+        return [RequestOutput.from_sequence(s) for s in seqs]
+
+    def close(self) -> None:
+        """Stop the other ranks (when there are any)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

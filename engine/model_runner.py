@@ -1,0 +1,184 @@
+"""Runs the model on one rank: builds it, loads its slices, owns its KV cache, executes step plans.
+
+Every rank runs the same plan; per step the runner turns it into tensors and attention metadata
+once (slot mapping and local lengths from the DCP math), then the layers read that metadata.
+The runner decides no policy: what to run comes from rank 0's scheduler.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine import dcp
+from engine.attention.backend import AttentionBackend
+from engine.attention.metadata import AttentionMetadata, PagedKV, PrefillNew, step_metadata
+from engine.distributed import ParallelContext
+from engine.layers.attention import PagedAttention
+from engine.models import build_model
+from engine.models.loading import load_checkpoint
+from engine.step import StepPlan
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """The KV cache slice of a plan that the runner needs."""
+
+    num_blocks: int
+    block_size: int
+    interleave: int
+    dtype: torch.dtype
+
+
+@dataclass
+class StepLogits:
+    """fp32 logits for the rows a step asked for, and which rows belong to which chunk."""
+
+    logits: torch.Tensor  # [R, V]
+    chunk_rows: list[tuple[int, int]]  # per chunk: (first row, row count); count 0 = no logits
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        hf_config,
+        folder: Path,
+        par: ParallelContext,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        max_model_len: int,
+    ):
+        self.par = par
+        self.device = par.device
+        self.backend = backend
+        self.vocab_size = hf_config.vocab_size
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(self.device):
+                self.model = build_model(hf_config, max_model_len, self.device)
+        finally:
+            torch.set_default_dtype(previous)
+        load_checkpoint(self.model, folder, self.model.checkpoint_name_map)
+        self.model.eval()
+        self.cache_layout: CacheLayout | None = None
+        self.kv_cache: torch.Tensor | None = None
+
+    def allocate_cache(self, layout: CacheLayout) -> None:
+        """One allocation for all layers; each attention layer gets views of it."""
+        layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        first = layers[0]
+        c = self.cache_layout = layout
+        if first.value_in_key:
+            shape = (len(layers), c.num_blocks, c.block_size, first.num_kv_heads, first.key_dim)
+        else:
+            shape = (len(layers), 2, c.num_blocks, c.block_size, first.num_kv_heads, first.key_dim)
+        # zeros, not empty: padded gathers read unwritten slots and 0 * NaN would poison the output
+        cache = torch.zeros(shape, dtype=c.dtype, device=self.device)
+        for i, layer in enumerate(layers):
+            if layer.value_in_key:
+                layer.key_cache, layer.value_cache = cache[i], None
+            else:
+                layer.key_cache, layer.value_cache = cache[i, 0], cache[i, 1]
+        self.kv_cache = cache
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache.numel() * self.kv_cache.element_size()
+
+    def _metadata(
+        self,
+        plan: StepPlan,
+        starts: torch.Tensor,
+        counts: torch.Tensor,
+        cu: torch.Tensor,
+        tables: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> AttentionMetadata:
+        c, d, r = self.cache_layout, self.par.dcp_size, self.par.dcp_rank
+        num_prefills = plan.num_prefills
+        prefill_counts = [len(ch.token_ids) for ch in plan.chunks[:num_prefills]]
+        prefill_tokens = sum(prefill_counts)
+        md = AttentionMetadata(
+            backend=self.backend,
+            slot_mapping=slots,
+            num_prefill_tokens=prefill_tokens,
+            num_decode_tokens=len(plan.chunks) - num_prefills,
+        )
+        if num_prefills:
+            md.prefill = PrefillNew(
+                cu_seqlens=cu[: num_prefills + 1], seq_lens=prefill_counts, max_len=max(prefill_counts)
+            )
+            context = [ch.start for ch in plan.chunks[:num_prefills]]
+            if any(context):
+                md.prefill_context = PagedKV(
+                    block_tables=tables[:num_prefills],
+                    lens=dcp.local_len(starts[:num_prefills], r, c.interleave, d),
+                    query_start=cu[: num_prefills + 1],
+                    query_counts=prefill_counts,
+                    max_len=max(dcp.local_len(s, r, c.interleave, d) for s in context),
+                    block_size=c.block_size,
+                )
+        if md.num_decode_tokens:
+            ends = [ch.start + 1 for ch in plan.chunks[num_prefills:]]
+            md.decode = PagedKV(
+                block_tables=tables[num_prefills:],
+                lens=dcp.local_len(starts[num_prefills:] + 1, r, c.interleave, d),
+                query_start=cu[num_prefills:] - prefill_tokens,
+                query_counts=[1] * md.num_decode_tokens,
+                max_len=max(dcp.local_len(e, r, c.interleave, d) for e in ends),
+                block_size=c.block_size,
+            )
+        self.backend.prepare(md)
+        return md
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepLogits | None:
+        """Run one step; rank 0 gets the logits the plan asked for, other ranks None."""
+        chunks = plan.chunks
+        if not chunks:
+            return None
+        device = self.device
+        counts_list = [len(ch.token_ids) for ch in chunks]
+        counts = torch.tensor(counts_list, device=device)
+        starts = torch.tensor([ch.start for ch in chunks], device=device)
+        cu = torch.zeros(len(chunks) + 1, dtype=torch.int64, device=device)
+        torch.cumsum(counts, 0, out=cu[1:])
+        width = max(len(ch.block_table) for ch in chunks)
+        tables = torch.tensor(
+            [ch.block_table + [0] * (width - len(ch.block_table)) for ch in chunks], dtype=torch.int64, device=device
+        )
+        input_ids = torch.tensor(list(itertools.chain.from_iterable(ch.token_ids for ch in chunks)), device=device)
+        seq_index = torch.repeat_interleave(torch.arange(len(chunks), device=device), counts)
+        positions = starts[seq_index] + torch.arange(input_ids.numel(), device=device) - cu[seq_index]
+        c = self.cache_layout
+        slots = dcp.slot(
+            positions, self.par.dcp_rank, tables, c.block_size, c.interleave, self.par.dcp_size, rows=seq_index
+        )
+        metadata = self._metadata(plan, starts, counts, cu, tables, slots)
+        with step_metadata(metadata):
+            hidden = self.model(input_ids, positions)
+        if not self.par.computes_logits:
+            return None
+        rows: list[int] = []
+        chunk_rows: list[tuple[int, int]] = []
+        offset = 0
+        for ch, n in zip(chunks, counts_list, strict=True):
+            if ch.prompt_logprobs:
+                chunk_rows.append((len(rows), n))
+                rows.extend(range(offset, offset + n))
+            elif ch.sample:
+                chunk_rows.append((len(rows), 1))
+                rows.append(offset + n - 1)
+            else:
+                chunk_rows.append((len(rows), 0))
+            offset += n
+        if not rows:
+            return None
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=device)])
+        return None if logits is None else StepLogits(logits=logits, chunk_rows=chunk_rows)

@@ -1,0 +1,52 @@
+"""Next-token sampling on rank 0: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sequence import SamplingParams, TokenLogprob
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """One token id per row of fp32 `logits` [S, V]."""
+    greedy_rows = [p.greedy for p in params]
+    if all(greedy_rows):
+        return logits.argmax(dim=-1)
+    device = logits.device
+    temperature = torch.tensor(
+        [1.0 if g else p.temperature for p, g in zip(params, greedy_rows, strict=True)], device=device
+    ).unsqueeze(1)
+    scaled, order = (logits / temperature).sort(dim=-1, descending=True)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[-1] for p in params], device=device)
+    rank = torch.arange(logits.shape[-1], device=device).unsqueeze(0)
+    scaled = scaled.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
+    probs = scaled.softmax(dim=-1)
+    top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
+    beyond = probs.cumsum(dim=-1) - probs > top_p  # drop a token once the mass before it exceeds top_p
+    probs = probs.masked_fill(beyond, 0.0)
+    chosen = torch.empty(len(params), dtype=torch.int64, device=device)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        chosen[unseeded] = torch.multinomial(probs[unseeded], 1).squeeze(1)
+    for i, g in enumerate(generators):
+        if g is not None:
+            chosen[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+    tokens = order.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    greedy_idx = [i for i, g in enumerate(greedy_rows) if g]
+    if greedy_idx:
+        tokens[greedy_idx] = logits[greedy_idx].argmax(dim=-1)
+    return tokens
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[TokenLogprob]:
+    """Logprob of each row's given token under the model distribution, plus its top-N alternatives."""
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(1, torch.tensor(token_ids, device=logits.device).unsqueeze(1)).squeeze(1).tolist()
+    if top_n > 0:
+        values, indices = logp.topk(top_n, dim=-1)
+        tops = [list(zip(i, v, strict=True)) for i, v in zip(indices.tolist(), values.tolist(), strict=True)]
+    else:
+        tops = [[] for _ in token_ids]
+    return [TokenLogprob(t, lp, top) for t, lp, top in zip(token_ids, chosen, tops, strict=True)]

@@ -1,0 +1,37 @@
+"""The plain data rank 0 sends every rank each step: which tokens of which sequences to run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens of one sequence to run this step, at positions start .. start + len(token_ids) - 1."""
+
+    seq_id: int
+    token_ids: list[int]
+    start: int  # tokens of this sequence already in the KV cache (its context)
+    block_table: list[int]
+    sample: bool  # the chunk ends the known tokens: sample the next token from its last position
+    prompt_logprobs: bool = False  # return logits for every position of the chunk
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token attending to the cache: the decode path (also a 1-token prefill chunk)."""
+        return len(self.token_ids) == 1
+
+
+@dataclass
+class StepPlan:
+    """One engine step. Prefill chunks (several tokens) come first, then decodes (one token)."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def num_prefills(self) -> int:
+        return sum(1 for c in self.chunks if not c.is_decode)

@@ -1,0 +1,71 @@
+"""Per-rank entry point that torchrun starts: `python -m engine.worker --plan PLAN [--set K=V] JOB`.
+
+Rank 0 drives (offline job or server); the other ranks follow its steps. A rank that fails writes
+a one-line reason to `--error-dir` so the launching command can name the root cause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from engine.errors import UserError
+from engine.io_utils import atomic_write_text
+
+
+def _write_error(error_dir: str | None, message: str) -> None:
+    if error_dir:
+        rank = os.environ.get("RANK", "0")
+        atomic_write_text(
+            Path(error_dir) / f"rank{rank}.json",
+            json.dumps({"rank": int(rank), "time": time.time(), "message": message}),
+        )
+
+
+def run(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="engine.worker")
+    parser.add_argument("--plan", required=True)
+    parser.add_argument("--set", action="append", default=[], dest="overrides")
+    parser.add_argument("--error-dir")
+    job = parser.add_mutually_exclusive_group(required=True)
+    job.add_argument("--job-file")
+    job.add_argument("--serve", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        from engine.llm import resolve_report
+
+        report = resolve_report(args.plan, args.overrides)
+        if args.serve:
+            from engine.server import serve_plan
+
+            serve_plan(report)
+        else:
+            from engine.llm import LLM
+            from engine.offline import OfflineJob, run_offline
+
+            llm = LLM(report)
+            try:
+                run_offline(llm, OfflineJob.load(Path(args.job_file)))
+            finally:
+                llm.close()
+    except UserError as exc:
+        _write_error(args.error_dir, str(exc))
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except BaseException as exc:
+        if isinstance(exc, SystemExit) and not exc.code:
+            raise
+        _write_error(args.error_dir, f"{type(exc).__name__}: {exc}")
+        traceback.print_exc()
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,328 @@
+"""Run lm-eval gsm8k against an OpenAI-compatible server and turn its output into an EvalRun.
+
+lm-eval is imported lazily: importing it costs ~2 s, which commands that don't evaluate shouldn't pay.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from engine.errors import UserError
+from engine.io_utils import atomic_write_text
+from evals.results import EvalRun, Metric, SampleResult
+from evals.tasks import TaskSpec
+
+__all__ = [
+    "EvalRun",
+    "check_server",
+    "eval_run_from_lm_eval",
+    "normalize_base_url",
+    "run_gsm8k",
+]
+
+_ENDPOINT_SUFFIXES = ("/v1/chat/completions", "/v1/completions", "/v1")
+
+
+def normalize_base_url(base_url: str) -> str:
+    """Server root from any of 'http://h:p', '.../v1', '.../v1/completions', '.../v1/chat/completions'."""
+    url = base_url.strip().rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise UserError(f"base URL {base_url!r} must start with http:// or https:// (e.g. http://127.0.0.1:8000)")
+    for suffix in _ENDPOINT_SUFFIXES:
+        if url.endswith(suffix):
+            return url[: -len(suffix)]
+    return url
+
+
+def check_server(base_url: str, timeout_s: float = 5.0) -> list[str]:
+    """Check the server answers; return the model ids of GET /v1/models ([] if only /health answers)."""
+    root = normalize_base_url(base_url)
+    # trust_env=False: lm-eval's aiohttp client ignores proxy variables too, so check the same route.
+    with httpx.Client(timeout=timeout_s, trust_env=False) as client:
+        try:
+            resp = client.get(f"{root}/v1/models")
+            if resp.status_code == 200:
+                data = resp.json().get("data", [])
+                return [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]
+            health = client.get(f"{root}/health")
+        except (httpx.HTTPError, ValueError) as exc:
+            raise UserError(
+                f"cannot reach the server at {root} ({type(exc).__name__}: {exc}); "
+                "start it with `dcpctl run PLAN` or pass the right --base-url"
+            ) from None
+    if health.status_code == 200:
+        return []
+    raise UserError(
+        f"server at {root} answered GET /v1/models with {resp.status_code} and /health with "
+        f"{health.status_code}; is it an OpenAI-compatible server? Check --base-url"
+    )
+
+
+class _Usage:
+    """Sums usage.completion_tokens over the responses lm-eval parses (lm-eval itself discards usage)."""
+
+    def __init__(self) -> None:
+        self.completion_tokens = 0
+        self.prompt_tokens = 0
+        self.responses = 0
+        self.missing = 0
+        self.generate_s = 0.0
+
+    def add(self, outputs: Any) -> None:
+        for out in outputs if isinstance(outputs, list) else [outputs]:
+            self.responses += 1
+            usage = out.get("usage") if isinstance(out, dict) else None
+            if not isinstance(usage, dict) or not isinstance(usage.get("completion_tokens"), int):
+                self.missing += 1
+                continue
+            self.completion_tokens += usage["completion_tokens"]
+            if isinstance(usage.get("prompt_tokens"), int):
+                self.prompt_tokens += usage["prompt_tokens"]
+
+    @property
+    def generated_tokens(self) -> int | None:
+        return self.completion_tokens if self.responses and not self.missing else None
+
+
+def _make_lm(chat: bool, **model_args: Any):
+    """An instance of lm-eval's local-(chat-)completions model that also tallies usage and request time."""
+    missing = [pkg for pkg in ("aiohttp", "requests", "tenacity", "tqdm") if importlib.util.find_spec(pkg) is None]
+    if missing:
+        raise UserError(
+            f"lm-eval's API models need {', '.join(missing)}; install them with `pip install 'lm-eval[api]==0.4.13'`"
+        )
+    from lm_eval.models.openai_completions import LocalChatCompletion, LocalCompletionsAPI
+
+    base = LocalChatCompletion if chat else LocalCompletionsAPI
+
+    class _CountingLM(base):  # type: ignore[misc, valid-type]
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.usage = _Usage()
+
+        def parse_generations(self, outputs: Any, **kwargs: Any) -> list[str]:
+            self.usage.add(outputs)
+            return super().parse_generations(outputs=outputs, **kwargs)
+
+        def generate_until(self, requests: Any, disable_tqdm: bool = False) -> list[str]:
+            t0 = time.perf_counter()
+            try:
+                return super().generate_until(requests, disable_tqdm=disable_tqdm)
+            finally:
+                self.usage.generate_s += time.perf_counter() - t0
+
+    _CountingLM.__name__ = f"Counting{base.__name__}"
+    return _CountingLM(**model_args)
+
+
+def run_gsm8k(
+    base_url: str,
+    model_name: str | None,
+    task: TaskSpec,
+    *,
+    label: str | None = None,
+    limit: int | float | None = None,
+    doc_ids: list[int] | None = None,
+    num_fewshot: int | None = 5,
+    apply_chat_template: bool = False,
+    fewshot_as_multiturn: bool = True,
+    system_instruction: str | None = None,
+    num_concurrent: int = 1,
+    batch_size: int = 1,
+    max_gen_toks: int = 256,
+    max_retries: int = 3,
+    timeout_s: int = 600,
+    seed: int = 1234,
+    output_dir: Path | None = None,
+) -> EvalRun:
+    """Run lm-eval `task` on the server at `base_url` via local-completions (chat: local-chat-completions).
+
+    `model_name` None takes the first id from GET /v1/models. `limit` takes the first N test docs; `doc_ids`
+    picks docs instead. With `output_dir`, lm-eval's raw results and samples are written there too.
+    """
+    if limit is not None and doc_ids is not None:
+        raise UserError("pass either a limit or a list of doc ids, not both")
+    root = normalize_base_url(base_url)
+    served = check_server(root)
+    if model_name is None:
+        if not served:
+            raise UserError(f"server at {root} lists no models at /v1/models; pass the model name explicitly")
+        model_name = served[0]
+    elif served and model_name not in served:
+        raise UserError(f"model {model_name!r} is not served at {root} (it serves {', '.join(served)}); fix the name")
+
+    mode = "chat" if apply_chat_template else "completions"
+    endpoint = f"{root}/v1/chat/completions" if apply_chat_template else f"{root}/v1/completions"
+    lm = _make_lm(
+        apply_chat_template,
+        base_url=endpoint,
+        model=model_name,
+        # No client-side tokenizer: 'auto' would probe /tokenizer_info then fetch model_name from the hub.
+        tokenizer_backend=None,
+        tokenized_requests=False,
+        num_concurrent=num_concurrent,
+        batch_size=batch_size,
+        max_gen_toks=max_gen_toks,
+        max_retries=max_retries,
+        timeout=timeout_s,
+        seed=seed,
+    )
+
+    from lm_eval import simple_evaluate
+
+    try:
+        task_manager = task.task_manager()
+    except Exception as exc:  # lm-eval raises plain exceptions for a bad YAML
+        raise UserError(f"lm-eval could not index task folder {task.include_path}: {exc}") from None
+    if task.name not in task_manager.all_tasks:
+        raise UserError(
+            f"lm-eval finds no task {task.name!r} under {task.include_path}; build the spec with evals.tasks.gsm8k_task"
+        )
+
+    t0 = time.perf_counter()
+    try:
+        output = simple_evaluate(
+            model=lm,
+            tasks=[task.name],
+            task_manager=task_manager,
+            num_fewshot=num_fewshot,
+            limit=limit,
+            samples={task.name: list(doc_ids)} if doc_ids is not None else None,
+            log_samples=True,
+            apply_chat_template=apply_chat_template,
+            fewshot_as_multiturn=fewshot_as_multiturn if apply_chat_template else False,
+            system_instruction=system_instruction,
+        )
+    except Exception as exc:
+        if _is_request_error(exc):
+            raise UserError(
+                f"lm-eval's requests to {endpoint} failed ({type(exc).__name__}: {exc}); check the server log"
+            ) from exc
+        raise
+    wall_s = time.perf_counter() - t0
+    if output is None:
+        raise RuntimeError("lm-eval returned no results (not rank 0?)")
+    if output_dir is not None:
+        write_lm_eval_output(output, Path(output_dir))
+    return eval_run_from_lm_eval(
+        output,
+        task.name,
+        label=label or model_name,
+        dataset=task.display_name,
+        mode=mode,
+        wall_s=wall_s,
+        generate_s=lm.usage.generate_s or None,
+        generated_tokens=lm.usage.generated_tokens,
+        prompt_tokens=lm.usage.prompt_tokens if lm.usage.generated_tokens is not None else None,
+        base_url=root,
+        model=model_name,
+    )
+
+
+def _is_request_error(exc: BaseException) -> bool:
+    import asyncio
+
+    import requests
+
+    try:
+        import aiohttp
+
+        aio: tuple[type[BaseException], ...] = (aiohttp.ClientError,)
+    except ImportError:
+        aio = ()
+    return isinstance(exc, (requests.RequestException, asyncio.TimeoutError, TimeoutError, *aio))
+
+
+def _stderr(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) else None  # lm-eval writes "N/A" for n = 1
+
+
+def eval_run_from_lm_eval(
+    output: dict[str, Any],
+    task_name: str,
+    *,
+    label: str,
+    dataset: str | None = None,
+    mode: str = "completions",
+    wall_s: float | None = None,
+    generate_s: float | None = None,
+    generated_tokens: int | None = None,
+    prompt_tokens: int | None = None,
+    base_url: str | None = None,
+    model: str | None = None,
+) -> EvalRun:
+    """Turn simple_evaluate's result dict (run with log_samples=True) into an EvalRun for `task_name`."""
+    results = output.get("results", {})
+    if task_name not in results:
+        raise ValueError(f"lm-eval output has no results for task {task_name!r} (has {sorted(results)})")
+    metrics: dict[str, Metric] = {}
+    stderrs: dict[str, Any] = {}
+    # Keys look like "exact_match,strict-match" and "exact_match_stderr,strict-match".
+    for key, value in results[task_name].items():
+        if "," not in key:
+            continue
+        metric, filt = key.split(",", 1)
+        if metric.endswith("_stderr"):
+            stderrs[f"{metric[: -len('_stderr')]},{filt}"] = value
+        elif isinstance(value, (int, float)):
+            metrics[filt] = Metric(name=metric, value=float(value), stderr=None)
+    for filt, m in metrics.items():
+        m.stderr = _stderr(stderrs.get(f"{m.name},{filt}"))
+
+    by_doc: dict[int, SampleResult] = {}
+    for s in output.get("samples", {}).get(task_name, []):
+        doc_id = int(s["doc_id"])
+        sample = by_doc.get(doc_id)
+        if sample is None:
+            resps = s.get("resps") or [[""]]
+            doc = s.get("doc", {})
+            sample = SampleResult(
+                doc_id=doc_id,
+                question=str(doc.get("question", "")),
+                target=str(s.get("target", "")),
+                generated=str(resps[0][0]) if resps and resps[0] else "",
+                prompt_hash=s.get("prompt_hash"),
+            )
+            by_doc[doc_id] = sample
+        filt = s.get("filter", "none")
+        filtered = s.get("filtered_resps") or [""]
+        sample.extracted[filt] = str(filtered[0])
+        metric_name = metrics[filt].name if filt in metrics else "exact_match"
+        sample.correct[filt] = float(s.get(metric_name, 0.0)) == 1.0
+
+    version = output.get("versions", {}).get(task_name)
+    n_shot = output.get("n-shot", {}).get(task_name)
+    return EvalRun(
+        label=label,
+        task=task_name,
+        dataset=dataset or task_name,
+        version=None if version is None else str(version),
+        n_shot=None if n_shot is None else int(n_shot),
+        mode=mode,
+        metrics=metrics,
+        samples=[by_doc[k] for k in sorted(by_doc)],
+        wall_s=wall_s,
+        generate_s=generate_s,
+        generated_tokens=generated_tokens,
+        prompt_tokens=prompt_tokens,
+        base_url=base_url,
+        model=model,
+    )
+
+
+def write_lm_eval_output(output: dict[str, Any], out_dir: Path) -> None:
+    """Write lm-eval's raw result dict (lm_eval_results.json) and samples (lm_eval_samples.jsonl)."""
+    rest = {k: v for k, v in output.items() if k != "samples"}
+    atomic_write_text(out_dir / "lm_eval_results.json", json.dumps(rest, indent=2, default=str) + "\n")
+    lines = [
+        json.dumps(s, default=str, ensure_ascii=False)
+        for samples in output.get("samples", {}).values()
+        for s in samples
+    ]
+    atomic_write_text(out_dir / "lm_eval_samples.jsonl", "".join(line + "\n" for line in lines))

@@ -1,0 +1,154 @@
+"""lm-eval task specs for gsm8k: lm-eval's own (hub data) or a local YAML over a data directory.
+
+lm-eval is not imported here (it costs ~2 s); the installed task YAMLs are located on disk instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from engine.errors import UserError
+from engine.io_utils import atomic_write_text
+
+# Our task name -> the installed lm-eval YAML it includes.
+_BASE_YAMLS = {"gsm8k": "gsm8k.yaml", "gsm8k_cot": "gsm8k-cot.yaml"}
+SUPPORTED_TASKS: tuple[str, ...] = tuple(_BASE_YAMLS)
+SPLIT_FILES = ("test.jsonl", "train.jsonl")
+# Written by evals.synthetic next to its jsonl files; its presence marks the data as not GSM8K.
+SYNTHETIC_MARKER = "dataset_info.json"
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What lm-eval needs to find one task offline, plus how to label it in reports."""
+
+    name: str  # the lm-eval task name to pass to simple_evaluate
+    base: str  # gsm8k | gsm8k_cot
+    include_path: Path  # folder for TaskManager(include_path=..., include_defaults=False)
+    data_dir: Path | None = None  # None: lm-eval's own task, data from the HF hub
+    yaml_path: Path | None = None
+    synthetic: bool = False
+
+    @property
+    def display_name(self) -> str:
+        """The dataset name shown in tables: says where the data came from."""
+        if self.synthetic:
+            return f"{self.base} format, SYNTHETIC data (not GSM8K)"
+        if self.data_dir is not None:
+            return f"{self.base} (local data)"
+        return self.base
+
+    def task_manager(self):
+        """A TaskManager that indexes only our folder (indexing all of lm-eval's tasks takes ~12 s)."""
+        from lm_eval.tasks import TaskManager
+
+        return TaskManager(include_path=str(self.include_path), include_defaults=False)
+
+
+def lm_eval_tasks_dir() -> Path:
+    """Folder of the installed lm-eval gsm8k task YAMLs."""
+    spec = importlib.util.find_spec("lm_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("lm-eval is not installed; install it with `pip install lm-eval==0.4.13`")
+    return Path(next(iter(spec.submodule_search_locations))) / "tasks" / "gsm8k"
+
+
+def validate_data_dir(data_dir: Path) -> None:
+    """Check that `data_dir` holds GSM8K-format test.jsonl and train.jsonl; raise UserError if not."""
+    if not data_dir.is_dir():
+        raise UserError(f"GSM8K data dir {data_dir} does not exist; pass a folder with test.jsonl and train.jsonl")
+    for fname in SPLIT_FILES:
+        path = data_dir / fname
+        if not path.is_file():
+            raise UserError(
+                f"{path} is missing; a GSM8K data dir needs both {' and '.join(SPLIT_FILES)} "
+                "(openai/grade-school-math format)"
+            )
+        first = _first_line(path)
+        if first is None:
+            raise UserError(f"{path} is empty; it needs one JSON object per line with question and answer")
+        try:
+            row = json.loads(first)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path} line 1 is not JSON ({exc.msg}); expected one JSON object per line") from None
+        if (
+            not isinstance(row, dict)
+            or not isinstance(row.get("question"), str)
+            or not isinstance(row.get("answer"), str)
+        ):
+            raise UserError(
+                f"{path} line 1 lacks string fields 'question' and 'answer'; "
+                'each line must look like {"question": ..., "answer": "... #### 42"}'
+            )
+        if "####" not in row["answer"]:
+            raise UserError(f"{path} line 1: the answer has no final '#### N'; GSM8K answers end with '#### <number>'")
+
+
+def is_synthetic(data_dir: Path) -> bool:
+    """True if `data_dir` was written by evals.synthetic (so results must not be called GSM8K)."""
+    marker = data_dir / SYNTHETIC_MARKER
+    if not marker.is_file():
+        return False
+    try:
+        return bool(json.loads(marker.read_text()).get("synthetic", False))
+    except (json.JSONDecodeError, AttributeError, OSError):
+        return False
+
+
+def gsm8k_task(data_dir: Path | None, work_dir: Path, name: str = "gsm8k") -> TaskSpec:
+    """Task spec for gsm8k (or gsm8k_cot); with `data_dir`, a local YAML written into `work_dir`."""
+    if name not in _BASE_YAMLS:
+        raise UserError(f"unknown eval task {name!r}; supported tasks: {', '.join(SUPPORTED_TASKS)}")
+    tasks_dir = lm_eval_tasks_dir()
+    base_yaml = tasks_dir / _BASE_YAMLS[name]
+    if not base_yaml.is_file():
+        raise UserError(f"lm-eval's {base_yaml} is missing; reinstall lm-eval==0.4.13")
+    if data_dir is None:
+        return TaskSpec(name=name, base=name, include_path=tasks_dir)
+
+    data_dir = Path(data_dir).expanduser().resolve()
+    validate_data_dir(data_dir)
+    synthetic = is_synthetic(data_dir)
+    task_name = f"{name}_synthetic" if synthetic else f"{name}_local"
+    # include: merges the base YAML shallowly and our keys win, so dataset_kwargs is given whole.
+    cfg = {
+        "include": str(base_yaml),
+        "task": task_name,
+        "tag": [],  # don't register under the base task's tags (math_word_problems, chain_of_thought)
+        "dataset_path": "json",
+        "dataset_name": None,
+        "dataset_kwargs": {
+            "data_files": {split: str(data_dir / f"{split}.jsonl") for split in ("test", "train")},
+            # Keep the datasets arrow cache with the run rather than in ~/.cache.
+            "cache_dir": str(Path(work_dir).resolve() / "hf_datasets"),
+        },
+        "test_split": "test",
+    }
+    if name == "gsm8k":
+        cfg["training_split"] = "train"
+        cfg["fewshot_split"] = "train"
+    # A folder of its own: TaskManager indexes every YAML under include_path.
+    task_dir = Path(work_dir) / "lm_eval_tasks"
+    yaml_path = task_dir / f"{task_name}.yaml"
+    atomic_write_text(yaml_path, yaml.safe_dump(cfg, sort_keys=False))
+    return TaskSpec(
+        name=task_name,
+        base=name,
+        include_path=task_dir.resolve(),
+        data_dir=data_dir,
+        yaml_path=yaml_path.resolve(),
+        synthetic=synthetic,
+    )
+
+
+def _first_line(path: Path) -> str | None:
+    with path.open("r", encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                return line
+    return None
