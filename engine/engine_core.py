@@ -7,6 +7,7 @@ wraps its runner in an `LLMEngine`, and the other ranks run `follow` until rank 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -20,8 +21,10 @@ from engine.block_manager import BlockManager
 from engine.detokenizer import Detokenizer
 from engine.distributed import ParallelContext, broadcast_object, init_parallel, init_single
 from engine.errors import UserError
+from engine.io_utils import atomic_write_text
 from engine.kv_sizing import kv_sizing, parse_memory
 from engine.model_info import dtype_bytes
+from engine.weights import checkpoint_files
 from engine.model_runner import DTYPES, CacheLayout, ModelRunner, StepLogits
 from engine.plan.checks import PlanReport
 from engine.sampler import sample, token_logprobs
@@ -120,7 +123,11 @@ def start_rank(report: PlanReport) -> tuple[EngineConfig, ParallelContext, Model
     else:
         par = init_parallel(layout, config.device, config.dist_backend)
     _set_threads(config, par)
-    hf_config = AutoConfig.from_pretrained(config.model_path)
+    checkpoint_files(config.model_path)  # a clear error for a folder without weights, before any work
+    try:
+        hf_config = AutoConfig.from_pretrained(config.model_path)
+    except (ValueError, OSError) as exc:
+        raise UserError(f"{config.model_path}/config.json: transformers cannot read it ({exc})") from None
     runner = ModelRunner(
         hf_config,
         config.model_path,
@@ -137,7 +144,25 @@ def start_rank(report: PlanReport) -> tuple[EngineConfig, ParallelContext, Model
             dtype=DTYPES[config.cache_dtype],
         )
     )
+    _write_rank_stats(par, runner)
     return config, par, runner
+
+
+def _write_rank_stats(par: ParallelContext, runner: ModelRunner) -> None:
+    """With DCPCTL_RANK_STATS_DIR set, each rank records its KV cache allocation (for tests and tooling)."""
+    folder = os.environ.get("DCPCTL_RANK_STATS_DIR")
+    if not folder:
+        return
+    stats = {
+        "rank": par.rank,
+        "world_size": par.world_size,
+        "tp_rank": par.tp_rank,
+        "dcp_rank": par.dcp_rank,
+        "kv_cache_bytes": runner.kv_cache_bytes,
+        "kv_cache_shape": list(runner.kv_cache.shape),
+        "num_blocks": runner.cache_layout.num_blocks,
+    }
+    atomic_write_text(Path(folder) / f"rank{par.rank}.json", json.dumps(stats))
 
 
 def follow(par: ParallelContext, runner: ModelRunner) -> None:

@@ -35,6 +35,27 @@ class RequestOutput:
     num_preemptions: int
     ttft_s: float | None
     latency_s: float | None
+    error: str | None = None  # why the request was rejected (finish_reason "error")
+
+    @classmethod
+    def rejected(cls, prompt: str | list[int], reason: str) -> RequestOutput:
+        text = prompt if isinstance(prompt, str) else None
+        ids = [] if isinstance(prompt, str) else list(prompt)
+        return cls(
+            request_id="",
+            prompt=text,
+            prompt_token_ids=ids,
+            text="",
+            token_ids=[],
+            finish_reason="error",
+            stop_reason=None,
+            logprobs=[],
+            prompt_logprobs=[],
+            num_preemptions=0,
+            ttft_s=None,
+            latency_s=None,
+            error=reason,
+        )
 
     @classmethod
     def from_sequence(cls, seq: Sequence) -> RequestOutput:
@@ -93,14 +114,21 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs in input order.
 
-        A prompt that cannot run (too long, bad ids) raises UserError before anything runs.
+        A prompt that cannot run (too long, bad ids, bad parameters) gets an output with finish_reason
+        "error" and the reason in `error`; the others run.
         """
         if isinstance(prompts, str):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise UserError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        seqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        results: list[Sequence | RequestOutput] = []
+        for prompt, sp in zip(prompts, params_list, strict=True):
+            try:
+                results.append(self.engine.add_request(prompt, sp))
+            except UserError as exc:
+                results.append(RequestOutput.rejected(prompt, str(exc)))
+        seqs = [r for r in results if isinstance(r, Sequence)]
         pending = {s.seq_id for s in seqs}
         while pending:
             for seq in self.engine.step():
@@ -108,7 +136,7 @@ class LLM:
                     pending.discard(seq.seq_id)
                     if on_finish is not None:
                         on_finish(RequestOutput.from_sequence(seq))
-        return [RequestOutput.from_sequence(s) for s in seqs]
+        return [RequestOutput.from_sequence(r) if isinstance(r, Sequence) else r for r in results]
 
     def close(self) -> None:
         """Stop the other ranks (when there are any)."""

@@ -9,6 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from engine.errors import UserError
 from engine.io_utils import atomic_write_text
@@ -19,7 +20,7 @@ from engine.sequence import SamplingParams
 class OfflineJob:
     """Prompts and how to generate for them; plain data so it can travel to the ranks as JSON."""
 
-    prompts: list[str]
+    prompts: list[str | list[int]]
     params: dict = field(default_factory=dict)  # SamplingParams fields
     output: str | None = None
     show_table: bool = True
@@ -35,8 +36,8 @@ class OfflineJob:
         return cls(**json.loads(path.read_text()))
 
 
-def read_prompts(path: Path) -> list[str]:
-    """One prompt per line, or JSONL objects with a `prompt` field (blank lines skipped)."""
+def read_prompts(path: Path) -> list[str | list[int]]:
+    """One prompt per line, or JSONL objects with a `prompt` (text) or `prompt_token_ids` field; blank lines skip."""
     try:
         lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     except FileNotFoundError:
@@ -53,15 +54,24 @@ def read_prompts(path: Path) -> list[str]:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}:{number}: invalid JSON ({exc.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise UserError(f"{path}:{number}: each JSONL line needs a string field 'prompt'")
-        prompts.append(record["prompt"])
+        if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+            prompts.append(record["prompt"])
+        elif isinstance(record, dict) and _is_token_list(record.get("prompt_token_ids")):
+            prompts.append(record["prompt_token_ids"])
+        else:
+            raise UserError(
+                f"{path}:{number}: each JSONL line needs a string 'prompt' or a list of ints 'prompt_token_ids'"
+            )
     return prompts
+
+
+def _is_token_list(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) for t in value)
 
 
 def _record(output) -> dict:
     record = {
-        "prompt": output.prompt,
+        "prompt": output.prompt if output.prompt is not None else output.prompt_token_ids,
         "text": output.text,
         "token_ids": output.token_ids,
         "finish_reason": output.finish_reason,
@@ -71,6 +81,8 @@ def _record(output) -> dict:
         "ttft_s": output.ttft_s,
         "latency_s": output.latency_s,
     }
+    if output.error:
+        record["error"] = output.error
     if output.logprobs:
         record["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in output.logprobs]
     return record
@@ -98,7 +110,8 @@ def run_offline(llm, job: OfflineJob, console: Console | None = None) -> list[di
         for column in ("#", "prompt", "output", "tokens", "finish"):
             table.add_column(column, overflow="fold")
         for i, r in enumerate(records):
-            table.add_row(str(i), _clip(r["prompt"]), _clip(r["text"]), str(len(r["token_ids"])), r["finish_reason"])
+            text = Text(_clip(r["text"])) if "error" not in r else Text(f"rejected: {r['error']}", style="red")
+            table.add_row(str(i), Text(_clip(str(r["prompt"]))), text, str(len(r["token_ids"])), r["finish_reason"])
         console.print(table)
         stats = llm.engine.stats
         console.print(
@@ -109,6 +122,5 @@ def run_offline(llm, job: OfflineJob, console: Console | None = None) -> list[di
     return records
 
 
-def _clip(text: str | None, limit: int = 160) -> str:
-    text = text or ""
+def _clip(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -58,3 +58,21 @@ def make_plan(tmp_path):
 @pytest.fixture
 def llama_folder(tmp_path) -> Path:
     return write_config(tmp_path / "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """Session cache of tiny random checkpoints: tiny_models(arch, **sizes) -> folder."""
+    from engine.checkpoints.tiny import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny")
+    made: dict[tuple, Path] = {}
+
+    def _get(arch: str, seed: int = 0, **sizes) -> Path:
+        key = (arch, seed, tuple(sorted(sizes.items())))
+        if key not in made:
+            name = "-".join([arch, str(seed), *(f"{k}{v}" for k, v in sorted(sizes.items()))])
+            made[key] = make_tiny_checkpoint(root / name, arch, seed=seed, **sizes)
+        return made[key]
+
+    return _get

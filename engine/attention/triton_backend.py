@@ -1,0 +1,64 @@
+"""The Triton backend: KV store, split-KV paged attention and varlen causal prefill as Triton kernels.
+
+CUDA tensors run compiled kernels; without a GPU they run in the Triton interpreter (tests), which
+`engine.attention.triton_kernels` selects on import (TRITON_INTERPRET=1 when no GPU is visible).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import triton_kernels as kernels
+from engine.attention.backend import AttentionBackend
+from engine.attention.metadata import AttentionMetadata, PagedKV, PrefillNew
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    def prepare(self, metadata: AttentionMetadata) -> None:
+        """Host-side facts the launchers need, once per step: rows per sequence (grid size) without a sync."""
+        for kv in (metadata.prefill_context, metadata.decode):
+            if kv is not None:
+                kv.extra["max_queries"] = max(kv.query_counts, default=0)
+
+    def write_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor | None,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor | None,
+        metadata: AttentionMetadata,
+    ) -> None:
+        kernels.store_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
+
+    def prefill_new(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefill: PrefillNew, scale: float, need_lse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out, lse = kernels.prefill_attention(q, k, v, prefill.cu_seqlens, prefill.max_len, scale)
+        return out, lse if need_lse else None
+
+    def paged(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor | None,
+        value_dim: int,
+        kv: PagedKV,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        max_queries = kv.extra.get("max_queries")
+        if max_queries is None:
+            max_queries = max(kv.query_counts, default=0)
+        return kernels.paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            value_dim,
+            kv.block_tables,
+            kv.lens,
+            kv.query_start,
+            max_queries,
+            kv.max_len,
+            scale,
+        )

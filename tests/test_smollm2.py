@@ -1,0 +1,68 @@
+"""SmolLM2-135M-Instruct (the real offline checkpoint) against HF transformers, single rank and DCP replicas."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.oracle import LOGPROB_TOL, hf_greedy, write_plan
+from tests.test_dcp_equivalence import dcpctl_run
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "Question: Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?\nAnswer:",
+    "def fibonacci(n):",
+    "Write a short poem about the sea. " * 12,  # ~100 tokens: several blocks of 16
+    "Hi",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from engine.checkpoints.pull import pull_model
+
+    return pull_model("smollm2-135m-instruct")
+
+
+def assert_matches_hf(folder, prompt_ids, token_ids, logprobs):
+    tokens, ref = hf_greedy(folder, prompt_ids, NEW_TOKENS)
+    assert token_ids == tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, ref, strict=True)) < LOGPROB_TOL
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_single_rank_matches_hf(tmp_path, smollm2, block_size):
+    plan = write_plan(tmp_path, smollm2, {"cache.block_size": block_size, "cache.memory": "64MiB"})
+    with LLM(plan) as llm:
+        outputs = llm.generate(
+            PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+        )
+    for out in outputs:
+        assert_matches_hf(smollm2, out.prompt_token_ids, out.token_ids, [lp.logprob for lp in out.logprobs])
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("interleave", [1, 64])
+def test_tp1_dcp2_replicas_match_hf(tmp_path, smollm2, interleave):
+    plan = write_plan(
+        tmp_path,
+        smollm2,
+        {"parallel.dcp": 2, "parallel.interleave": interleave, "cache.block_size": 64, "cache.memory": "64MiB"},
+    )
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    records, stats = dcpctl_run(plan, prompts_file, tmp_path / "out.jsonl", tmp_path / "stats", new_tokens=NEW_TOKENS)
+    assert len(stats) == 2 and {s["dcp_rank"] for s in stats} == {0, 1}
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    for prompt, record in zip(PROMPTS, records, strict=True):
+        assert_matches_hf(
+            smollm2, tokenizer(prompt).input_ids, record["token_ids"], [lp["logprob"] for lp in record["logprobs"]]
+        )
