@@ -24,13 +24,13 @@ from engine.errors import UserError
 from engine.io_utils import atomic_write_text
 from engine.kv_sizing import kv_sizing, parse_memory
 from engine.model_info import dtype_bytes
-from engine.weights import checkpoint_files
 from engine.model_runner import DTYPES, CacheLayout, ModelRunner, StepLogits
 from engine.plan.checks import PlanReport
 from engine.sampler import sample, token_logprobs
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SamplingParams, Sequence
 from engine.step import StepPlan
+from engine.weights import checkpoint_files
 
 
 @dataclass(frozen=True)

@@ -153,11 +153,11 @@ def test_bad_model_folders(tmp_path, make_plan):
     from engine.errors import UserError
     from tests.conftest import write_config
 
-    with pytest.raises(UserError, match="model folder .* not found"):
+    with pytest.raises(UserError, match=r"model folder .* not found"):
         LLM(make_plan(f"model: {{path: {tmp_path / 'absent'}}}\nlaunch: {{device: cpu}}\n"))
     folder = write_config(tmp_path / "gpt2", architectures=["GPT2LMHeadModel"])
-    with pytest.raises(UserError, match="unsupported architecture 'GPT2LMHeadModel'; supported: LlamaForCausalLM"):
+    with pytest.raises(UserError, match=r"unsupported architecture 'GPT2LMHeadModel'; supported: LlamaForCausalLM"):
         LLM(make_plan(f"model: {{path: {folder}}}\nlaunch: {{device: cpu}}\n"))
     folder = write_config(tmp_path / "noweights", model_type="llama")
-    with pytest.raises(UserError, match="has no \\*.safetensors weights"):
+    with pytest.raises(UserError, match=r"has no \*\.safetensors weights"):
         LLM(make_plan(f"model: {{path: {folder}}}\nlaunch: {{device: cpu}}\n"))
