@@ -58,9 +58,10 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> int:
         """Attach cached blocks for the longest cached prefix of a new sequence; returns tokens reused.
 
-        At least one token is always left to compute, so the step yields logits to sample from.
+        At least one token is always left to compute, so the step yields logits to sample from. A request
+        for prompt logprobs computes every prompt position, so it reuses nothing.
         """
-        if not self.prefix_caching or seq.block_table:
+        if not self.prefix_caching or seq.block_table or seq.params.prompt_logprobs is not None:
             return 0
         full = (len(seq) - 1) // self.span
         hashes = self._hash_chain(seq, full)

@@ -90,6 +90,8 @@ def launch(report: PlanReport, overrides: list[str], job_args: list[str]) -> Non
     env.setdefault("OMP_NUM_THREADS", "1")
     with log.open("wb") as log_file:
         proc = subprocess.Popen(cmd, env=env, stderr=log_file)
+        # SIGTERM to this process alone must still stop torchrun and its ranks (Ctrl-C reaches them anyway)
+        previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
         try:
             code = proc.wait()
         except KeyboardInterrupt:
@@ -99,6 +101,8 @@ def launch(report: PlanReport, overrides: list[str], job_args: list[str]) -> Non
             except subprocess.TimeoutExpired:
                 proc.kill()
             raise
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     if code != 0:
         root = _root_error(run_dir)
         tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []

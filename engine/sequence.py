@@ -39,6 +39,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 20:
                 raise UserError(f"{name}={value} must be between 0 and 20")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise UserError(f"seed={self.seed} does not fit in 64 bits; use a smaller seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise UserError("stop must be a list of non-empty strings")
 

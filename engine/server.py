@@ -85,6 +85,7 @@ class Update:
     logprobs: list[TokenLogprob]  # logprobs of the new output tokens (when asked for)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once, with the first update (when asked for)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     error: ServerError | None = None
 
 
@@ -277,7 +278,10 @@ class EngineLoop:
                 if seq.params.prompt_logprobs is not None:
                     prompt_logprobs = list(seq.prompt_logprobs)
             finish = seq.finish_reason if seq.is_finished else None
-            handle.sink.put(Update(handle.index, seq.output_text, new_ids, new_logprobs, prompt_logprobs, finish))
+            update = Update(handle.index, seq.output_text, new_ids, new_logprobs, prompt_logprobs, finish)
+            if finish is not None:
+                update.stop_reason = seq.stop_reason
+            handle.sink.put(update)
             if finish is not None:
                 del self._handles[seq.request_id]
 
@@ -293,6 +297,8 @@ class EngineLoop:
             self.engine.shutdown()
         except Exception:
             logger.exception("stopping the other ranks failed")
+        else:
+            logger.info("engine stopped")
 
     def _snapshot(self) -> None:
         engine, blocks, sched = self.engine, self.engine.blocks, self.engine.scheduler
@@ -315,20 +321,6 @@ class EngineLoop:
         }
 
 
-def _avoid_prompt_logprobs_prefix_hits(engine: LLMEngine) -> None:
-    """Requests that want prompt logprobs must compute every prompt position; a prefix-cache hit skips some.
-
-    Workaround until BlockManager.match_prefix itself declines such sequences (then this is a no-op).
-    """
-    blocks = engine.blocks
-    original = blocks.match_prefix
-
-    def match_prefix(seq) -> int:
-        return 0 if seq.params.prompt_logprobs is not None else original(seq)
-
-    blocks.match_prefix = match_prefix
-
-
 # ---- one HTTP request's engine requests ----
 
 
@@ -342,6 +334,7 @@ class _Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     sent: int = 0  # characters of text already streamed
     started: bool = False
 
@@ -352,6 +345,7 @@ class _Choice:
         if update.prompt_logprobs is not None:
             self.prompt_logprobs = update.prompt_logprobs
         self.finish_reason = update.finish_reason
+        self.stop_reason = update.stop_reason
 
     def stream_delta(self, stops: list[str]) -> str:
         """New text that is safe to send: all of it once finished, else all but a possible stop-string start."""
@@ -570,7 +564,6 @@ class OpenAIServer:
 
     async def health(self):
         """200 while the engine runs; 503 after a fatal engine error or during shutdown."""
-
         if self.engine_loop.healthy:
             return {"status": "ok"}
         return JSONResponse({"status": "unhealthy", "error": self.engine_loop.unavailable_reason()}, status_code=503)
@@ -707,7 +700,7 @@ class OpenAIServer:
             "text": text,
             "logprobs": logprobs,
             "finish_reason": choice.finish_reason,
-            "stop_reason": None,
+            "stop_reason": choice.stop_reason,
         }
 
     async def _completion_chunks(
@@ -718,12 +711,15 @@ class OpenAIServer:
         sent_logprobs = dict.fromkeys(builders, 0)
 
         def chunk(index: int, text: str, logprobs: dict | None, finish: str | None) -> dict:
+            item = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            if finish is not None:
+                item["stop_reason"] = gen.choices[index].stop_reason
             body = {
                 "id": rid,
                 "object": "text_completion",
                 "created": created,
                 "model": self.model_name,
-                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+                "choices": [item],
             }
             if req.include_usage:
                 body["usage"] = None
@@ -815,6 +811,7 @@ class OpenAIServer:
                     if logprobs is not None
                     else None,
                     "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
                 }
                 for c in choices
             ],
@@ -828,12 +825,15 @@ class OpenAIServer:
         sent_logprobs = {c.index: 0 for c in gen.choices}
 
         def chunk(index: int, delta: dict, logprobs: dict | None, finish: str | None) -> dict:
+            item = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            if finish is not None:
+                item["stop_reason"] = gen.choices[index].stop_reason
             body = {
                 "id": rid,
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": self.model_name,
-                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+                "choices": [item],
             }
             if req.include_usage:
                 body["usage"] = None
@@ -923,6 +923,7 @@ def _uvicorn_server(app: FastAPI, engine_loop: EngineLoop, banner: Callable[[], 
                 banner()
 
         async def shutdown(self, sockets=None) -> None:
+            logger.info("shutting down")
             # fail the requests in flight first, so that uvicorn's wait for open connections is short
             engine_loop.begin_shutdown()
             await super().shutdown(sockets)
@@ -959,7 +960,6 @@ class ServerHandle:
 def start_server(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 0) -> ServerHandle:
     """Serve `engine` from a background thread; returns once the server accepts connections."""
     engine_loop = EngineLoop(engine)
-    _avoid_prompt_logprobs_prefix_hits(engine)
     app = OpenAIServer(engine_loop, model_name).app
     sock = bind_socket(host, port)
     ready = threading.Event()
@@ -978,7 +978,6 @@ def serve_engine(engine: LLMEngine, host: str, port: int, model_name: str) -> No
     """Serve `engine` in this thread until SIGINT/SIGTERM; then shut the engine down (other ranks exit)."""
     engine_loop = EngineLoop(engine)
     try:
-        _avoid_prompt_logprobs_prefix_hits(engine)
         app = OpenAIServer(engine_loop, model_name).app
         sock = bind_socket(host, port)
         bound = sock.getsockname()[1]

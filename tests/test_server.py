@@ -264,6 +264,7 @@ def test_stop_strings_cut_the_text_streaming_and_not(server):
         kw = dict(model=MODEL, prompt=prompt, max_tokens=32, temperature=0, stop=stops, extra_body={"ignore_eos": True})
         resp = client.completions.create(**kw)
         assert (resp.choices[0].text, resp.choices[0].finish_reason) == (want, finish), stops
+        assert resp.choices[0].model_extra["stop_reason"] == (stop if finish == "stop" else None)
         streamed = [c.choices[0] for c in client.completions.create(**kw, stream=True)]
         assert "".join(c.text for c in streamed) == want, stops
         assert streamed[-1].finish_reason == finish
@@ -420,6 +421,7 @@ def test_user_errors_are_openai_4xx_and_the_server_keeps_serving(server):
         json.dumps({"prompt": [[5, 6], list(range(3, 603))]}): "prompt 1: the prompt has 600 tokens",
         json.dumps({"prompt": ["ok", [5, 6]]}): "prompt must be a string, a list of strings",
         json.dumps({"prompt": "x", "n": 0}): "n=0",
+        json.dumps({"prompt": "x", "seed": 2**70}): "seed=",
         json.dumps({"prompt": "x", "logprobs": 50}): "logprobs=50",
         json.dumps({"prompt": "x", "stop": [""]}): "stop",
         json.dumps({"prompt": "x", "presence_penalty": 0.5}): "presence_penalty",

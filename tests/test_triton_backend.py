@@ -24,8 +24,6 @@ from engine.model_runner import CacheLayout, ModelRunner
 from engine.step import ScheduledChunk, StepPlan
 from tests.oracle import LOGPROB_TOL, prompt_ids, read_jsonl, write_plan
 
-needs_interpreter = pytest.mark.skipif(not tk.INTERPRET, reason="kernels compiled for CUDA in this process")
-
 
 def runner_metadata(backend, plan: StepPlan, layout: CacheLayout, dcp_size: int, dcp_rank: int, device="cpu"):
     """The step's metadata exactly as ModelRunner.execute builds it (same tensors, then ModelRunner._metadata)."""
@@ -180,7 +178,6 @@ def check_backend(name, arch, dcp_size, interleave, block_size, device="cpu", dt
     assert_close(torch.cat([prefill[1], decode[1]]), want_l, atol)
 
 
-@needs_interpreter
 @pytest.mark.parametrize(
     ("arch", "dcp_size", "interleave", "block_size"),
     [("gqa", 2, 1, 4), ("gqa", 2, 4, 4), ("mla", 2, 2, 8), ("mla", 1, 1, 4)],

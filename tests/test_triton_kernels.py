@@ -1,10 +1,14 @@
 """The Triton kernels against the torch reference backend, on CPU in the Triton interpreter and, marked gpu, on CUDA.
 
-Importing `engine.attention.triton_kernels` selects the interpreter (TRITON_INTERPRET=1) when no GPU is visible and
-triton is not imported yet. The interpreter costs milliseconds per program, so CPU shapes stay tiny.
+CPU tensors run the kernels in the Triton interpreter (no TRITON_INTERPRET needed: the launchers pick the mode by
+device). The interpreter costs milliseconds per program, so CPU shapes stay tiny.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,7 +20,7 @@ from engine.attention.torch_backend import TorchBackend
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = [
-    pytest.param("cpu", marks=pytest.mark.skipif(not tk.INTERPRET, reason="kernels compiled for CUDA here")),
+    "cpu",
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]),
 ]
 ATOL = 2e-5  # fp32 inputs, fp32 accumulation: only the summation order differs
@@ -158,17 +162,18 @@ def test_paged_decode_gqa_matches_reference(device, group, block_size, interleav
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_paged_decode_mla_latent_dims(device, block_size):
-    """MLA: one cache head, key = latent (32) + rope (8) = 40 dims, value = the first 32 (no value cache)."""
-    gen = torch.Generator().manual_seed(block_size)
+@pytest.mark.parametrize(("block_size", "dk", "dv"), [(4, 40, 32), (16, 40, 32), (4, 48, 40)])
+def test_paged_decode_mla_latent_dims(device, block_size, dk, dv):
+    """MLA: one cache head, key = latent + rope (40 = 32 + 8), value = the first 32 key dims (no value cache).
+    48/40: the values do not fit the key's power-of-two part (32), so they are loaded from the key cache."""
+    gen = torch.Generator().manual_seed(block_size + dk)
     lens = dcp_lens(GLOBAL_LENGTHS, 1, 2, 2)
     kv = make_paged(lens, [1] * len(lens), block_size, device, gen)
-    kc, _ = caches(int(kv.block_tables.max()) + 1, block_size, 1, 40, 32, torch.float32, device, gen, mla=True)
-    q = torch.randn(len(lens), 4, 40, generator=gen).to(device)
-    out, lse = run_paged(q, kc, None, 32, kv, 0.2)
-    ref_out, ref_lse = reference_paged(q, kc, None, 32, kv, 0.2)
-    assert out.shape == (len(lens), 4, 32)
+    kc, _ = caches(int(kv.block_tables.max()) + 1, block_size, 1, dk, dv, torch.float32, device, gen, mla=True)
+    q = torch.randn(len(lens), 4, dk, generator=gen).to(device)
+    out, lse = run_paged(q, kc, None, dv, kv, 0.2)
+    ref_out, ref_lse = reference_paged(q, kc, None, dv, kv, 0.2)
+    assert out.shape == (len(lens), 4, dv)
     close(out, ref_out)
     close(lse, ref_lse)
 
@@ -278,13 +283,21 @@ def test_prefill_causal_varlen_matches_reference(device, heads, hkv, dk, dv):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize(
-    ("heads", "hkv", "dk", "dv", "block_size"),
-    [(32, 4, 128, 128, 16), (32, 4, 128, 128, 256), (16, 1, 576, 512, 64), (128, 1, 576, 512, 16)],
-    ids=["gqa8-b16", "gqa8-b256", "mla16-b64", "mla128-b16"],
-)
-@pytest.mark.parametrize("queries", [1, 7])
+    ("heads", "hkv", "dk", "dv", "block_size", "dtype", "queries"),
+    [
+        (32, 4, 128, 128, 16, torch.bfloat16, 1),
+        (32, 4, 128, 128, 256, torch.float16, 1),
+        (32, 4, 128, 128, 16, torch.float32, 1),
+        (32, 4, 128, 128, 16, torch.bfloat16, 7),
+        (16, 1, 576, 512, 64, torch.bfloat16, 1),
+        (16, 1, 576, 512, 64, torch.float32, 1),
+        (128, 1, 576, 512, 16, torch.bfloat16, 1),
+        (16, 1, 576, 512, 64, torch.bfloat16, 7),
+    ],
+    ids=["gqa8-b16-bf16", "gqa8-b256-fp16", "gqa8-b16-fp32", "gqa8-ctx7", "mla16-b64-bf16", "mla16-fp32",
+         "mla128-b16", "mla16-ctx7"],
+)  # fmt: skip
 def test_gpu_paged_realistic(dtype, heads, hkv, dk, dv, block_size, queries):
     gen = torch.Generator().manual_seed(0)
     lens = [0, 1, 300, 5000, 2049]
@@ -318,3 +331,79 @@ def test_gpu_prefill_realistic(dtype, heads, hkv, dk, dv):
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     close(out, ref_out, atol=tol)
     close(lse, ref_lse, atol=tol)
+
+
+def test_interpreter_works_after_triton_was_imported_normally():
+    """torch._dynamo (pulled in by transformers) imports triton first: CPU launches must still interpret, and
+    TRITON_INTERPRET must not leak into the environment."""
+    code = (
+        "import os, sys, torch, triton  # as torch._dynamo does, before any kernel is defined\n"
+        "assert 'triton' in sys.modules and 'TRITON_INTERPRET' not in os.environ\n"
+        "from engine.attention import triton_kernels as tk\n"
+        "kc = torch.randn(2, 4, 1, 16); q = torch.randn(1, 2, 16)\n"
+        "out, lse = tk.paged_attention(q, kc, kc, 16, torch.tensor([[1, 0]]), torch.tensor([6]),\n"
+        "                              torch.tensor([0, 1]), 1, 6, 0.25)\n"
+        "keys = kc.view(-1, 1, 16)[[4, 5, 6, 7, 0, 1], 0]\n"
+        "p = torch.softmax(q[0] @ keys.T * 0.25, -1)\n"
+        "assert torch.allclose(out[0], p @ keys, atol=1e-5), (out, p @ keys)\n"
+        "assert 'TRITON_INTERPRET' not in os.environ\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kernel", "dtype", "consts", "warps", "stages"),
+    [
+        ("paged", "bf16", dict(G=8, BLOCK_SIZE=16, DK=128, DA=128, DB=0, DV=128, BLOCK_DV=128, VALUE_IN_KEY=False,
+                               BLOCK_M=16, BLOCK_N=64, DOT_F32=False, PRECISION=None), 4, 3),
+        ("paged", "bf16", dict(G=16, BLOCK_SIZE=64, DK=576, DA=512, DB=64, DV=512, BLOCK_DV=512, VALUE_IN_KEY=True,
+                               BLOCK_M=16, BLOCK_N=32, DOT_F32=False, PRECISION=None), 8, 2),
+        ("prefill", "fp32", dict(G=8, DK=128, DA=128, DB=0, DV=128, BLOCK_DV=128, BLOCK_M=64, BLOCK_N=64,
+                                 DOT_F32=False, PRECISION="ieee"), 4, 2),
+    ],
+    ids=["paged-gqa8-bf16", "paged-mla-bf16", "prefill-fp32"],
+)  # fmt: skip
+def test_kernels_compile_for_hopper_without_a_gpu(kernel, dtype, consts, warps, stages):
+    """The compiled (not interpreted) path, which CPU CI otherwise never runs: lower to sm90 code offline and fit
+    the 227 KiB of shared memory an H100/H200 block may use."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(tk._kernels(False), kernel)
+    names = list(inspect.signature(fn.fn).parameters)
+    pointers = {"TABLES", "LENS", "QSTART", "CU"}
+    sig = {}
+    for n in names:
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n.isupper():
+            sig[n] = "*i64" if n in pointers else ("*fp32" if n == "LSE" else f"*{dtype}")
+        else:
+            sig[n] = "fp32" if n == "scale_log2" else "i32"
+    try:
+        src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    except TypeError as exc:
+        pytest.skip(f"this triton's ASTSource differs: {exc}")
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    assert "ptx" in compiled.asm and compiled.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize(("q_dtype", "cache_dtype"), [(torch.bfloat16, torch.float16), (torch.bfloat16, torch.float32)])
+def test_gpu_paged_cache_dtype_differs_from_queries(q_dtype, cache_dtype):
+    gen = torch.Generator().manual_seed(2)
+    kv = make_paged([0, 300, 77], [1, 1, 1], 16, "cuda", gen)
+    kc, vc = caches(int(kv.block_tables.max()) + 1, 16, 4, 128, 128, cache_dtype, "cuda", gen)
+    q = torch.randn(3, 32, 128, generator=gen).to(device="cuda", dtype=q_dtype)
+    out, lse = run_paged(q, kc, vc, 128, kv, 128**-0.5)
+    ref_out, ref_lse = reference_paged(q, kc, vc, 128, kv, 128**-0.5)
+    assert out.dtype == q_dtype
+    close(out, ref_out, atol=2e-2)
+    close(lse, ref_lse, atol=1e-2)

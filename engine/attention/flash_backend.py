@@ -105,6 +105,11 @@ class FlashAttnBackend(TritonBackend):
         if not self._uses_flash(q, value_dim, values_in_key=value_cache is None):
             return super().paged(q, key_cache, value_cache, value_dim, kv, scale)
         self._check_block_size(key_cache)
+        if key_cache.dtype != q.dtype:
+            raise UserError(
+                "attention.backend=flash_attn needs cache.dtype equal to model.dtype "
+                f"(cache {str(key_cache.dtype)[6:]}, model {str(q.dtype)[6:]}); or use triton"
+            )
         if "flash_tables" not in kv.extra:
             raise RuntimeError("FlashAttnBackend.paged ran on metadata that its prepare() did not see")
         tables, lens, rows_empty = kv.extra["flash_tables"], kv.extra["flash_lens"], kv.extra["flash_rows_empty"]

@@ -1,7 +1,7 @@
 """The Triton backend: KV store, split-KV paged attention and varlen causal prefill as Triton kernels.
 
-CUDA tensors run compiled kernels; without a GPU they run in the Triton interpreter (tests), which
-`engine.attention.triton_kernels` selects on import (TRITON_INTERPRET=1 when no GPU is visible).
+CUDA tensors run compiled kernels; CPU tensors run them in the Triton interpreter (tests, CPU plans: slow),
+chosen per launch by the tensors' device, whatever was imported before.
 """
 
 from __future__ import annotations

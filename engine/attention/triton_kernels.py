@@ -313,9 +313,9 @@ def _key_split(dk: int) -> tuple[int, int]:
     return da, (max(16, _next_pow2(rest)) if rest > 0 else 0)
 
 
-def _precision(dtype: torch.dtype) -> str:
+def _precision(dtype: torch.dtype) -> str | None:
     # fp32 inputs must not be rounded to tf32: the fp32 engine is checked against an fp32 oracle
-    return "ieee" if dtype == torch.float32 else "tf32"
+    return "ieee" if dtype == torch.float32 else None
 
 
 @functools.cache
@@ -423,9 +423,9 @@ def paged_attention(
     interp = interpreted(q)
     cfg = config or default_paged_config(dk, max_queries, group, interp)
     da, db = _key_split(dk)
-    value_in_key = value_cache is None
-    if value_in_key and value_dim > da:
-        raise ValueError(f"values inside the key cache need value_dim <= {da}; got {value_dim}")
+    # MLA: reuse the loaded key tile as the values when they fit in its power-of-two part, else load them
+    # from the key cache like a value cache
+    value_in_key = value_cache is None and value_dim <= da
     block_dv = da if value_in_key else max(16, _next_pow2(value_dim))
     tiles = triton.cdiv(max_queries * group, cfg.block_m)
     if num_splits is None:
@@ -440,7 +440,10 @@ def paged_attention(
         part_o = torch.empty(splits, tokens, heads, value_dim, dtype=torch.float32, device=q.device)
         part_l = torch.empty(splits, tokens, heads, dtype=torch.float32, device=q.device)
         part_o_strides = part_o.stride()
-    vc = key_cache if value_in_key else value_cache
+    vc = key_cache if value_cache is None else value_cache
+    # a cache dtype other than the queries' (cache.dtype) cannot meet them in one tensor-core dot: use fp32 dots
+    dot_f32 = interp or q.dtype != key_cache.dtype
+    precision = "ieee" if dot_f32 or torch.float32 in (q.dtype, key_cache.dtype) else None
     extra = {} if interp else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     grid = (seqs, tiles, hkv * splits)
     _kernels(interp).paged[grid](
@@ -450,7 +453,7 @@ def paged_attention(
         *part_o_strides, *part_l.stride(),
         G=group, BLOCK_SIZE=key_cache.shape[1], DK=dk, DA=da, DB=db, DV=value_dim, BLOCK_DV=block_dv,
         VALUE_IN_KEY=value_in_key, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        DOT_F32=interp, PRECISION=_precision(q.dtype), **extra,
+        DOT_F32=dot_f32, PRECISION=precision, **extra,
     )  # fmt: skip
     if splits > 1:
         # every row belongs to a sequence, so every (split, row) was written (splits past a sequence's end: 0, -inf)

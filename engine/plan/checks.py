@@ -152,6 +152,24 @@ def _resolve_dtypes(report: PlanReport, plan: Plan) -> None:
     report.cache_dtype = report.dtype if plan.cache.dtype == "auto" else plan.cache.dtype
 
 
+def _flash_attn_limits(report: PlanReport, plan: Plan) -> list[str]:
+    """Why flash-attn's paged kernels cannot serve this GQA plan (empty when they can)."""
+    limits = []
+    if plan.cache.block_size % 256:
+        limits.append(
+            f"flash-attn's paged KV needs cache.block_size a multiple of 256 (got {plan.cache.block_size}); "
+            "set cache.block_size=256 or use attention.backend=triton"
+        )
+    if report.dtype not in ("bfloat16", "float16"):
+        limits.append(
+            f"flash-attn runs bfloat16/float16 only (model.dtype resolves to {report.dtype}); "
+            "set model.dtype=bfloat16 or use triton"
+        )
+    if report.cache_dtype != report.dtype:
+        limits.append(f"flash-attn needs cache.dtype equal to model.dtype ({report.cache_dtype} vs {report.dtype})")
+    return limits
+
+
 def _resolve_backend(report: PlanReport, plan: Plan) -> None:
     requested = plan.attention.backend
     is_mla = bool(report.model and report.model.is_mla)
@@ -160,7 +178,8 @@ def _resolve_backend(report: PlanReport, plan: Plan) -> None:
         if report.device != "cuda":
             report.backend = "torch"
         else:
-            report.backend = "flash_attn" if has_flash and not is_mla else "triton"
+            usable = has_flash and not is_mla and not _flash_attn_limits(report, plan)
+            report.backend = "flash_attn" if usable else "triton"
         return
     report.backend = requested
     if requested == "flash_attn":
@@ -176,6 +195,9 @@ def _resolve_backend(report: PlanReport, plan: Plan) -> None:
             )
         elif is_mla:
             report.notes.append("attention.backend=flash_attn: MLA layers use the Triton kernels")
+        else:
+            for message in _flash_attn_limits(report, plan):
+                report.error("attention.backend", message)
     if requested == "triton" and report.device == "cpu":
         report.warnings.append("attention.backend=triton on CPU runs in the Triton interpreter (slow; for tests)")
 

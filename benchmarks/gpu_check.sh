@@ -1,0 +1,174 @@
+#!/usr/bin/env bash
+# The one prepared GPU check for the Triton / flash-attn attention backends (issue 6), for an H200-class machine.
+#
+#   bash benchmarks/gpu_check.sh                 on the GPU machine, from anywhere (it cds to the repo root)
+#   bash benchmarks/gpu_check.sh --fetch-wheels  here, with PyPI: pure-Python wheels the GPU image may lack, into
+#                                                .whl/ (git-ignored); carry .whl to the GPU machine with the tree
+#   bash benchmarks/gpu_check.sh --cpu-smoke     here: the same stages on CPU, tiny (checks the script itself)
+#
+# Stages (each under its own timeout, ~8 minutes in all): environment (a python with CUDA torch + triton; missing
+# packages from .whl/ or pip; flash-attn only if a wheel installs, else skipped with a note), the kernel and backend
+# tests on CUDA (pytest -m gpu), tiny-model greedy equivalence per backend, the decode bandwidth benchmark
+# (benchmarks/attention_bench.py) and a Triton tile sweep. Results go to $OUT (default runs/gpu_check/).
+# One GPU runs one rank: the tp2 dcp2 whole-model check is the CPU test (tests/test_triton_backend.py, multiproc);
+# here the DCP-sharded math runs on CUDA in test_gpu_backend_matches_torch (dcp 2 per-rank + merge).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+if [ "${1:-}" = "--fetch-wheels" ]; then
+  mkdir -p .whl
+  # transformers: the project's pin (the GPU image ships an older one); omegaconf: the plan loader
+  python3 -m pip download --no-deps --only-binary=:all: -d .whl "transformers==5.24.*" "omegaconf==2.4.0"
+  ls -la .whl
+  exit 0
+fi
+
+SMOKE=0
+[ "${1:-}" = "--cpu-smoke" ] && SMOKE=1
+OUT=${OUT:-$ROOT/runs/gpu_check}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/gpu_check.log") 2>&1
+START=$(date +%s)
+FAILED=()
+stage() { echo; echo "=== [$(($(date +%s) - START)) s] $*"; }
+record() { # record NAME RC
+  if [ "$2" -ne 0 ]; then FAILED+=("$1 (exit $2)"); echo "--- $1: FAILED (exit $2)"; else echo "--- $1: ok"; fi
+}
+
+stage "environment"
+PY=${PYTHON:-python3}
+if [ "$SMOKE" = 1 ]; then
+  PY=${PYTHON:-$ROOT/.venv/bin/python}
+elif ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "no CUDA torch in $PY: making .venv-gpu and installing torch (needs a package index)"
+  python3 -m venv "$ROOT/.venv-gpu" && PY=$ROOT/.venv-gpu/bin/python
+  timeout 300 "$PY" -m pip install -q --retries 0 --timeout 10 torch triton pytest pyyaml || true
+  if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "FATAL: no python with a CUDA build of torch; set PYTHON=... to one"; exit 2
+  fi
+fi
+export PYTHONUNBUFFERED=1
+if ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_site \
+    "$ROOT"/.whl/*.whl && export PYTHONPATH=/tmp/gpu_site
+  if ! "$PY" -c "import transformers" 2>/dev/null; then  # its pinned deps may be newer than the image's
+    echo "note: the carried transformers does not import here; using the image's"
+    rm -rf /tmp/gpu_site/transformers /tmp/gpu_site/transformers-*
+  fi
+fi
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+MISSING=$("$PY" - <<'EOF'
+import importlib.util
+names = ["omegaconf", "typer", "rich", "yaml", "safetensors", "tokenizers", "transformers", "pytest", "triton"]
+print(" ".join(n for n in names if importlib.util.find_spec(n) is None))
+EOF
+)
+if [ -n "$MISSING" ]; then
+  echo "missing: $MISSING; trying pip (works only with a package index)"
+  PIPNAMES=$(echo "$MISSING" | sed 's/\byaml\b/pyyaml/')
+  # shellcheck disable=SC2086
+  timeout 60 "$PY" -m pip install -q --retries 0 --timeout 5 $PIPNAMES || echo "note: pip could not install: $PIPNAMES"
+fi
+if [ "$SMOKE" = 0 ] && ! "$PY" -c "import flash_attn" 2>/dev/null; then
+  # a prebuilt wheel only: a source build of flash-attn takes far longer than this whole check
+  if timeout 60 "$PY" -m pip install -q --retries 0 --timeout 5 --only-binary=:all: flash-attn >/dev/null 2>&1; then
+    echo "flash-attn installed from a wheel"
+  else
+    echo "note: flash-attn not installed (no index or no wheel for this torch/CUDA): its rows are skipped"
+  fi
+fi
+"$PY" - <<'EOF'
+import importlib.util, platform, torch, triton
+print("python", platform.python_version(), "torch", torch.__version__, "triton", triton.__version__)
+print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else "-")
+for name in ("flash_attn", "transformers", "omegaconf"):
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        print(name, "missing")
+    else:
+        mod = __import__(name)
+        print(name, getattr(mod, "__version__", "?"))
+EOF
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv
+
+stage "kernel and backend tests (pytest -m gpu)"
+if [ "$SMOKE" = 1 ]; then MARK="not gpu and not multiproc"; else MARK="gpu"; fi
+timeout 180 "$PY" -m pytest tests/test_triton_kernels.py tests/test_triton_backend.py -m "$MARK" -q -rs \
+  -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+record "pytest -m '$MARK'" "${PIPESTATUS[0]}"
+
+stage "tiny models: greedy tokens per backend vs the torch backend"
+SMOKE=$SMOKE timeout 130 "$PY" - <<'EOF' 2>&1 | tee "$OUT/equivalence.md"
+import importlib.util, os, sys, tempfile, time
+from pathlib import Path
+
+from engine import LLM, SamplingParams
+from engine.checkpoints.tiny import make_tiny_checkpoint
+from tests.oracle import prompt_ids, write_plan
+
+smoke = os.environ.get("SMOKE") == "1"
+device = "cpu" if smoke else "cuda"
+work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+lengths, new = ([3, 17, 40], 8) if smoke else ([3, 17, 40, 100, 333], 16)
+prompts = prompt_ids(len(lengths), lengths, seed=3)
+have_flash = importlib.util.find_spec("flash_attn") is not None and not smoke
+models = {
+    "llama kv2": make_tiny_checkpoint(work / "llama", "llama", num_kv_heads=2),
+    "deepseek_v2 (MLA)": make_tiny_checkpoint(work / "mla", "deepseek_v2"),
+}
+# (model, dtype, block size, backends); fp32 must match the torch backend token for token (ieee dots);
+# bf16 differs in rounding between kernels, so its rows report agreement rather than assert it
+runs = []
+for name in models:
+    runs.append((name, "float32", 16, ["torch", "triton"]))
+    if not smoke:
+        flash = ["flash_attn"] if have_flash else []  # MLA: the flash backend hands its layers to Triton
+        runs.append((name, "bfloat16", 256, ["torch", "triton", *flash]))
+print("| model | dtype | block | backend | tokens equal to torch | max logprob diff | seconds |")
+print("|---|---|---|---|---|---|---|")
+failures = 0
+for name, dtype, block, backends in runs:
+    results = {}
+    for backend in backends:
+        plan = write_plan(work, models[name], {"launch.device": device, "model.dtype": dtype, "cache.block_size": block,
+                                               "attention.backend": backend, "scheduler.max_num_batched_tokens": 64},
+                          f"{backend}-{dtype}.yaml")
+        t0 = time.time()
+        try:
+            with LLM(plan) as llm:
+                outs = llm.generate(prompts, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, logprobs=1))
+        except Exception as exc:  # report and go on: one backend failing must not hide the others
+            print(f"| {name} | {dtype} | {block} | {backend} | ERROR {type(exc).__name__}: {str(exc)[:120]} | | |")
+            failures += 1
+            continue
+        results[backend] = (outs, time.time() - t0)
+    if "torch" not in results:
+        continue
+    ref = results["torch"][0]
+    for backend, (outs, secs) in results.items():
+        same = sum(a.token_ids == b.token_ids for a, b in zip(outs, ref))
+        diff = max(abs(x.logprob - y.logprob) for a, b in zip(outs, ref) for x, y in zip(a.logprobs, b.logprobs))
+        print(f"| {name} | {dtype} | {block} | {backend} | {same}/{len(ref)} | {diff:.2e} | {secs:.1f} |")
+        if dtype == "float32" and same != len(ref):
+            failures += 1
+sys.exit(1 if failures else 0)
+EOF
+record "tiny-model equivalence" "${PIPESTATUS[0]}"
+
+stage "decode attention bandwidth (benchmarks/attention_bench.py)"
+if [ "$SMOKE" = 1 ]; then BENCH=(--device cpu --tiny --contexts 64 --batches 1); else BENCH=(); fi
+timeout 150 "$PY" benchmarks/attention_bench.py "${BENCH[@]}" --out "$OUT"
+record "attention_bench" "$?"
+
+stage "Triton decode tile sweep (tuning data)"
+timeout 50 "$PY" benchmarks/attention_bench.py "${BENCH[@]}" --sweep | tee "$OUT/triton_sweep.md"
+record "tile sweep" "${PIPESTATUS[0]}"
+
+stage "done"
+ls -la "$OUT"
+if [ ${#FAILED[@]} -gt 0 ]; then
+  printf 'FAILED: %s\n' "${FAILED[@]}"
+  exit 1
+fi
+echo "all stages passed"
