@@ -6,6 +6,7 @@ import sys
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from dcpctl import model_cmd, plan_cmd, run_cmd
 from engine.errors import UserError
@@ -26,7 +27,7 @@ def main() -> None:
     try:
         app(standalone_mode=True)
     except UserError as exc:
-        Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False)
+        Console(stderr=True).print(Text.assemble(("error: ", "bold red"), str(exc)), highlight=False)
         sys.exit(1)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -58,17 +60,30 @@ def torchrun_command(report: PlanReport, worker_args: list[str]) -> list[str]:
     return [*cmd, "-m", "engine.worker", *worker_args]
 
 
-def _root_error(error_dir: Path) -> str | None:
-    errors = []
+_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+
+
+def _root_error(error_dir: Path, log_text: str) -> str | None:
+    """The failing rank's own message, or how it died; torchrun names the first rank that failed."""
+    errors: dict[int, dict] = {}
     for file in error_dir.glob("rank*.json"):
         try:
-            errors.append(json.loads(file.read_text()))
+            record = json.loads(file.read_text())
         except (OSError, ValueError):
             continue
-    if not errors:
-        return None
-    first = min(errors, key=lambda e: e["time"])
-    return f"rank {first['rank']}: {first['message']}"
+        errors[record["rank"]] = record
+    match = _ROOT_CAUSE.search(log_text)
+    if match:
+        rank, code = int(match.group(1)), int(match.group(2))
+        if rank in errors:
+            return f"rank {rank}: {errors[rank]['message']}"
+        return f"rank {rank} " + (
+            f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        )
+    if errors:
+        first = min(errors.values(), key=lambda e: e["time"])
+        return f"rank {first['rank']}: {first['message']}"
+    return None
 
 
 def plan_args(report: PlanReport, overrides: list[str]) -> list[str]:
@@ -103,8 +118,10 @@ def launch(report: PlanReport, overrides: list[str], job_args: list[str]) -> Non
             raise
         finally:
             signal.signal(signal.SIGTERM, previous)
-    if code != 0:
-        root = _root_error(run_dir)
-        tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
-        reason = root or (tail[0] if tail else f"torchrun exited with {code}")
-        raise UserError(f"the run failed: {reason} (full log: {log})")
+    if code == 0:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    log_text = log.read_text(errors="replace") if log.exists() else ""
+    tail = log_text.strip().splitlines()[-1:]
+    reason = _root_error(run_dir, log_text) or (tail[0] if tail else f"torchrun exited with {code}")
+    raise UserError(f"the run failed: {reason} (full log: {log})")

@@ -1,0 +1,132 @@
+"""Faults in a multi-rank run: a dead or raising rank ends all ranks with the root error; Ctrl-C; busy ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.oracle import write_plan
+
+pytestmark = pytest.mark.multiproc
+
+FAULT_HOOK = """
+import os
+if os.environ.get("RANK") == "1":
+    from engine.model_runner import ModelRunner
+    original, calls = ModelRunner.execute, [0]
+    def execute(self, plan):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("injected fault on rank 1")
+        return original(self, plan)
+    ModelRunner.execute = execute
+"""
+
+
+def workers(marker: str) -> dict[int, int]:
+    """rank -> pid of the engine.worker processes whose command line contains `marker`."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if "engine.worker" not in cmdline or marker not in cmdline or "torch.distributed.run" in cmdline:
+                continue
+            env = dict(
+                item.split("=", 1) for item in (proc / "environ").read_bytes().decode().split("\0") if "=" in item
+            )
+            found[int(env["RANK"])] = int(proc.name)
+        except (OSError, ValueError, KeyError):
+            continue
+    return found
+
+
+def start_run(tmp_path, tiny_models, extra_env=None, settings=None):
+    folder = tiny_models("deepseek_v2")
+    plan = write_plan(tmp_path, folder, {"parallel.tp": 2, "parallel.dcp": 2, **(settings or {})})
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello world\nthe quick brown fox\n")
+    stats = tmp_path / "stats"
+    env = dict(os.environ, DCPCTL_RANK_STATS_DIR=str(stats), **(extra_env or {}))
+    cmd = [
+        sys.executable,
+        "-m",
+        "dcpctl.cli",
+        "run",
+        str(plan),
+        "--prompts-file",
+        str(prompts),
+        "--max-tokens",
+        "480",
+        "--ignore-eos",
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    return proc, str(plan), stats
+
+
+def wait_for_ranks(proc, stats: Path, count: int = 2, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while len(list(stats.glob("rank*.json"))) < count:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "ranks did not start"
+        time.sleep(0.2)
+    time.sleep(1.0)  # let generation get going
+
+
+def finish(proc, timeout: float) -> tuple[int, str, float]:
+    start = time.monotonic()
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, " ".join(err.split()), time.monotonic() - start
+
+
+def test_killed_rank_ends_every_rank_with_the_root_cause(tmp_path, tiny_models):
+    proc, marker, stats = start_run(tmp_path, tiny_models)
+    wait_for_ranks(proc, stats)
+    ranks = workers(marker)
+    assert set(ranks) == {0, 1}
+    os.kill(ranks[1], signal.SIGKILL)
+    code, err, took = finish(proc, timeout=30)
+    assert code == 1 and took < 15
+    assert "error: the run failed: rank 1 was killed by SIGKILL" in err
+    assert "Traceback" not in err
+    assert workers(marker) == {}
+
+
+def test_raising_rank_reports_its_own_error(tmp_path, tiny_models):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(FAULT_HOOK)
+    path = os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])
+    proc, marker, _ = start_run(tmp_path, tiny_models, extra_env={"PYTHONPATH": path})
+    code, err, _ = finish(proc, timeout=120)
+    assert code == 1
+    assert "error: the run failed: rank 1: RuntimeError: injected fault on rank 1" in err
+    assert workers(marker) == {}
+
+
+def test_ctrl_c_stops_every_rank(tmp_path, tiny_models):
+    proc, marker, stats = start_run(tmp_path, tiny_models)
+    wait_for_ranks(proc, stats)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+    code, _, took = finish(proc, timeout=30)
+    assert code != 0 and took < 15
+    assert workers(marker) == {}
+
+
+def test_busy_master_port_is_a_clear_error(tmp_path, tiny_models):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        proc, _, _ = start_run(tmp_path, tiny_models, settings={"launch.master_port": port})
+        code, err, _ = finish(proc, timeout=60)
+    assert code == 1
+    assert f"error: launch.master_port={port} on 127.0.0.1 is already in use" in err
