@@ -34,7 +34,10 @@ def softmax_attention(
 
 
 def _causal_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU flash attention (fp32 accumulation) that also returns the log-sum-exp. q/k/v [T, H, D]."""
+    """CPU flash attention (fp32 accumulation) that also returns the log-sum-exp. q/k [T, H, Dk], v [T, H, Dv]."""
+    value_dim = v.shape[-1]
+    if value_dim < k.shape[-1]:  # the kernel wants one head size: pad values (MLA: latent < latent + rope)
+        v = torch.nn.functional.pad(v, (0, k.shape[-1] - value_dim))
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -46,7 +49,7 @@ def _causal_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
         True,
         scale=scale,
     )[:2]
-    return out[0].transpose(0, 1), lse[0].transpose(0, 1).float()
+    return out[0, ..., :value_dim].transpose(0, 1), lse[0].transpose(0, 1).float()
 
 
 class TorchBackend(AttentionBackend):
@@ -84,7 +87,7 @@ class TorchBackend(AttentionBackend):
         start = 0
         for n in prefill.seq_lens:
             qs, ks, vs = q[start : start + n], k[start : start + n], v[start : start + n]
-            if q.device.type == "cpu" and ks.shape[-1] == vs.shape[-1]:
+            if q.device.type == "cpu":
                 o, l_ = _causal_cpu(qs, ks, vs, scale)
             else:
                 causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
