@@ -18,6 +18,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata, PagedKV, PrefillNew, step_metadata
 from engine.distributed import ParallelContext
 from engine.layers.attention import PagedAttention
+from engine.layers.cpu_gemm import pack_linears
 from engine.models import build_model
 from engine.models.loading import load_checkpoint
 from engine.step import StepPlan
@@ -65,6 +66,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous)
         load_checkpoint(self.model, folder, self.model.checkpoint_name_map)
+        pack_linears(self.model)
         self.model.eval()
         self.cache_layout: CacheLayout | None = None
         self.kv_cache: torch.Tensor | None = None
@@ -133,6 +135,7 @@ class ModelRunner:
                 query_counts=[1] * md.num_decode_tokens,
                 max_len=max(dcp.local_len(e, r, c.interleave, d) for e in ends),
                 block_size=c.block_size,
+                need_lse=d > 1,
             )
         self.backend.prepare(md)
         return md

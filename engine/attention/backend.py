@@ -50,8 +50,11 @@ class AttentionBackend(ABC):
         value_dim: int,
         kv: PagedKV,
         scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each query row attends to all local cached tokens of its sequence; returns (out, lse)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each query row attends to all local cached tokens of its sequence; returns (out, lse).
+
+        A backend may return lse None when `kv.need_lse` is False.
+        """
 
 
 def _torch_backend() -> AttentionBackend:

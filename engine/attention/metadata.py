@@ -27,6 +27,7 @@ class PagedKV:
     query_counts: list[int]
     max_len: int
     block_size: int
+    need_lse: bool = True  # False: the caller discards the log-sum-exp (decode without DCP)
     extra: dict = field(default_factory=dict)  # backend-specific tensors, prepared once per step
 
     @property

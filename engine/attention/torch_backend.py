@@ -102,6 +102,16 @@ class TorchBackend(AttentionBackend):
         slots, valid = kv.extra["slots"], kv.extra["valid"]
         keys = key_cache.view(-1, *key_cache.shape[2:])[slots]  # [S, L, Hkv, Dk]
         values = keys[..., :value_dim] if value_cache is None else value_cache.view(-1, *value_cache.shape[2:])[slots]
+        if kv.one_query_each and not kv.need_lse:  # one fused kernel when only the output is wanted
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.unsqueeze(2),
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=valid[:, None, None, :],
+                scale=scale,
+                enable_gqa=True,
+            )
+            return out[:, :, 0], None
         if kv.one_query_each:
             out, lse = softmax_attention(q.unsqueeze(1), keys, values, scale, valid.unsqueeze(1))
             return out[:, 0].to(q.dtype), lse[:, 0]

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_reduce, gather_to_first, get_parallel
+from engine.layers.cpu_gemm import PackableLinear
 from engine.layers.linear import attach_loader
 from engine.weights import CheckpointTensor, copy_into
 
@@ -37,7 +38,7 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out, self.group)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(PackableLinear):
     """Logits over this rank's vocabulary slice, gathered whole on the TP group's first rank."""
 
     def __init__(self, embedding: VocabParallelEmbedding, tied: bool):
@@ -53,7 +54,7 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary fp32 logits on the TP group's first rank, None on the others."""
-        local = F.linear(hidden, self.weight).float()
+        local = self.project(hidden).float()
         parts = gather_to_first(local, self.group)
         if parts is None:
             return None

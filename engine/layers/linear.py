@@ -7,10 +7,10 @@ layers split input features and all-reduce their partial outputs (bias added onc
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import all_reduce, get_parallel
+from engine.layers.cpu_gemm import PackableLinear
 from engine.weights import CheckpointTensor, copy_into
 
 
@@ -28,7 +28,7 @@ def _param(*shape: int, loader=full_loader) -> nn.Parameter:
     return attach_loader(nn.Parameter(torch.empty(*shape), requires_grad=False), loader)
 
 
-class ReplicatedLinear(nn.Module):
+class ReplicatedLinear(PackableLinear):
     """A linear layer every rank holds whole."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -37,10 +37,10 @@ class ReplicatedLinear(nn.Module):
         self.bias = _param(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.project(x, self.bias)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(PackableLinear):
     """Output features split over TP ranks; the output stays sharded."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -57,7 +57,7 @@ class ColumnParallelLinear(nn.Module):
         copy_into(param, tensor.chunk(0, self.tp_size, self.tp_rank), tensor.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.project(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -96,12 +96,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             dest, src = (offset, self.kv_local * d), (self.kv_start * d, self.kv_local * d)
         copy_into(param.data.narrow(0, *dest), tensor.narrow(0, *src), tensor.name)
 
-    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        d = self.head_dim
-        return qkv.split([self.q_local * d, self.kv_local * d, self.kv_local * d], dim=-1)
 
-
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackableLinear):
     """Input features split over TP ranks; partial outputs are summed over the TP group."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce: bool = True):
@@ -118,7 +114,7 @@ class RowParallelLinear(nn.Module):
         copy_into(param, tensor.chunk(1, self.tp_size, self.tp_rank), tensor.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.project(x)
         if self.reduce:
             all_reduce(y, self.group)
         return y if self.bias is None else y + self.bias

@@ -29,11 +29,14 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        qkv = self.qkv_proj(x)
         n, d = x.shape[0], self.head_dim
-        q = rope.apply(q.view(n, -1, d), cos, sin)
-        k = rope.apply(k.view(n, -1, d), cos, sin)
-        return self.o_proj(self.attn(q, k, v.view(n, -1, d)).view(n, -1))
+        q_heads, kv_heads = self.qkv_proj.q_local, self.qkv_proj.kv_local
+        # q and k are adjacent in qkv: rotate them in one go
+        qk = rope.apply(qkv[:, : (q_heads + kv_heads) * d].view(n, q_heads + kv_heads, d), cos, sin)
+        v = qkv[:, (q_heads + kv_heads) * d :].view(n, kv_heads, d)
+        out = self.attn(qk[:, :q_heads], qk[:, q_heads:], v)
+        return self.o_proj(out.view(n, -1))
 
 
 class GatedMLP(nn.Module):
