@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from dcpctl import model_cmd, plan_cmd, run_cmd
+from dcpctl import demo_cmd, eval_cmd, model_cmd, plan_cmd, run_cmd
 from engine.errors import UserError
 
 app = typer.Typer(
@@ -20,6 +20,8 @@ app = typer.Typer(
 app.add_typer(plan_cmd.app, name="plan")
 app.add_typer(model_cmd.app, name="model")
 app.command("run")(run_cmd.run)
+app.add_typer(eval_cmd.app, name="eval")
+app.command("demo")(demo_cmd.demo)
 
 
 def main() -> None:

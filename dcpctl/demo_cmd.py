@@ -8,14 +8,14 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from dcpctl.eval_cmd import EvalOptions, hub_reachable, resolve_data_dir, run_comparison
+from dcpctl.eval_cmd import EvalOptions, hub_reachable, make_console, resolve_data_dir, run_comparison
 from engine.errors import UserError
 
 MODEL_ALIAS = "smollm2-135m-instruct"
 # The baseline first: every other column is compared against it.
 DEMO_PLANS = ("smollm2_tp1_dcp1", "smollm2_tp1_dcp2_i1", "smollm2_tp1_dcp2_i16", "smollm2_tp1_dcp2_i64")
 # Chosen so that the whole demo (pull, 4 launches, 4 evals, 5-shot) stays within ~15 minutes on 2 CPU cores.
-DEFAULT_LIMIT = 20
+DEFAULT_LIMIT = 15
 SYNTHETIC_DIR = "synthetic_data"
 
 
@@ -76,7 +76,7 @@ def demo(
     tp1/dcp2 with interleave 1, 16 and 64 (the block size): accuracy, per-question agreement, speed."""
     from engine.checkpoints.pull import pull_model
 
-    console = Console()
+    console = make_console()
     console.rule("dcpctl demo: decode context parallelism on SmolLM2-135M-Instruct (CPU)")
     console.print(f"[bold]1/3[/] model {MODEL_ALIAS}")
     pull_model(MODEL_ALIAS, console=console)

@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -91,6 +92,12 @@ class TargetResult:
     reused: bool = False
 
 
+def make_console() -> Console:
+    """A console for comparison output; wide when not a terminal (rich would squeeze the table to 80 columns)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=200)
+
+
 # --- data and task -------------------------------------------------------------------------------------------
 
 
@@ -136,10 +143,8 @@ def prepare_task(opts: EvalOptions, work_dir: Path) -> TaskSpec:
                 "data can't be fetched; pass --data-dir DIR with GSM8K test.jsonl/train.jsonl "
                 "(or set HF_DATASETS_OFFLINE=1 to use a cached copy)"
             )
-    from lm_eval.tasks import get_task_dict
-
     try:
-        get_task_dict([spec.name], spec.task_manager())
+        spec.task_manager().load([spec.name])
     except Exception as exc:  # datasets / lm-eval raise many kinds; the message is what matters
         where = spec.data_dir or "the Hugging Face hub"
         raise UserError(
@@ -263,21 +268,69 @@ def save_result(plan_dir: Path, fp: dict[str, Any], result: TargetResult) -> Non
 ServerHook = Callable[[PlanServer], None]
 
 
-def _eval_on(base_url: str, label: str, task: TaskSpec, opts: EvalOptions, raw_dir: Path | None) -> EvalRun:
+class _StatsWatch:
+    """While lm-eval runs, poll the server's GET /v1/engine/stats (if it has one) into the status line."""
+
+    def __init__(self, base_url: str, prefix: str, status: Callable[[str], None], period_s: float = 1.0) -> None:
+        self.url, self.prefix, self.status, self.period_s = f"{base_url}/v1/engine/stats", prefix, status, period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dcpctl-eval-stats", daemon=True)
+
+    def _run(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            while not self._stop.wait(self.period_s):
+                try:
+                    resp = client.get(self.url)
+                except httpx.HTTPError:
+                    continue
+                if resp.status_code == 404:
+                    return  # not a dcpctl server (vLLM, ...): nothing to show
+                try:
+                    st = resp.json()
+                    self.status(
+                        f"{self.prefix}: {st['generated_tokens']} tokens generated, "
+                        f"{st['running']} running, {st['waiting']} waiting"
+                    )
+                except (ValueError, KeyError, TypeError):
+                    return
+
+    def __enter__(self) -> _StatsWatch:
+        self.status(self.prefix)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def _eval_on(
+    base_url: str,
+    label: str,
+    task: TaskSpec,
+    opts: EvalOptions,
+    raw_dir: Path | None,
+    status: Callable[[str], None],
+    prefix: str = "evaluating",
+) -> EvalRun:
     from evals.lm_eval_runner import run_gsm8k
 
-    return run_gsm8k(
-        base_url,
-        None,
-        task,
-        label=label,
-        limit=opts.limit,
-        num_fewshot=opts.num_fewshot,
-        apply_chat_template=opts.apply_chat_template,
-        num_concurrent=opts.num_concurrent,
-        max_gen_toks=opts.max_gen_toks,
-        output_dir=raw_dir,
-    )
+    n = f"{opts.limit} questions" if opts.limit else "all questions"
+    with _StatsWatch(base_url, f"{prefix} {n}", status):
+        return run_gsm8k(
+            base_url,
+            None,
+            task,
+            label=label,
+            limit=opts.limit,
+            num_fewshot=opts.num_fewshot,
+            apply_chat_template=opts.apply_chat_template,
+            num_concurrent=opts.num_concurrent,
+            max_gen_toks=opts.max_gen_toks,
+            output_dir=raw_dir,
+        )
 
 
 def _failure(label: str, reason: str, task: TaskSpec, opts: EvalOptions) -> EvalRun:
@@ -305,9 +358,8 @@ def evaluate_target(
     """Launch (plans), evaluate and stop; any failure comes back as a failed EvalRun with the reason."""
     raw_dir = plan_dir / "lm_eval" if keep_files else None
     if target.report is None:
-        status("evaluating")
         try:
-            run = _eval_on(target.spec, target.label, task, opts, raw_dir)
+            run = _eval_on(target.spec, target.label, task, opts, raw_dir, status)
         except Exception as exc:
             run = _failure(target.label, _reason(exc), task, opts)
         return TargetResult(target=target, run=run, launch={"url": target.spec})
@@ -331,23 +383,34 @@ def evaluate_target(
             launch["time_to_healthy_s"] = round(server.wait_healthy(), 2)
         except UserError as exc:
             return TargetResult(target=target, run=_failure(target.label, str(exc), task, opts), launch=launch)
-        status(f"healthy in {launch['time_to_healthy_s']:.1f} s; evaluating")
         if on_server is not None:
             on_server(server)
         try:
-            run = _eval_on(server.base_url, target.label, task, opts, raw_dir)
+            healthy = f"healthy in {launch['time_to_healthy_s']:.1f} s; evaluating"
+            run = _eval_on(server.base_url, target.label, task, opts, raw_dir, status, healthy)
         except Exception as exc:
-            crashed = server.exit_reason()
-            reason = f"the engine {crashed} during the eval" if crashed else _reason(exc)
-            run = _failure(target.label, reason, task, opts)
+            run = _failure(target.label, _crash_reason(server) or _reason(exc), task, opts)
         else:
             crashed = server.exit_reason()
             if crashed:  # lm-eval finished, but the server died on the way: don't trust the column
-                run = _failure(target.label, f"the engine {crashed} during the eval", task, opts)
+                run = _failure(target.label, f"the server {crashed} during the eval", task, opts)
     finally:
         status("stopping the server")
         launch["exit_code"] = server.stop()
     return TargetResult(target=target, run=run, launch=launch)
+
+
+def _crash_reason(server: PlanServer, wait_s: float = 15.0) -> str | None:
+    """After lm-eval failed: why, if the server is to blame (it exited, or stopped answering /health)."""
+    deadline = time.monotonic() + wait_s
+    while server.alive() and time.monotonic() < deadline:
+        if server.healthy():
+            return None  # still serving: the failure was the request's own
+        time.sleep(0.2)
+    crashed = server.exit_reason()
+    if crashed:
+        return f"the server {crashed} during the eval"
+    return f"the server stopped answering /health during the eval (for {wait_s:.0f} s)"
 
 
 def _reason(exc: BaseException) -> str:
@@ -370,7 +433,7 @@ def run_comparison(
     verbose: bool = False,
 ) -> tuple[Comparison, list[TargetResult]]:
     """Validate all targets, evaluate each (or reuse it with `resume`), print the table, write the report."""
-    console = console or Console()
+    console = console or make_console()
     if resume and output is None:
         raise UserError("--resume needs --output DIR (the folder of an earlier run's results)")
     if opts.limit is not None and opts.limit < 1:

@@ -4,10 +4,14 @@ end-to-end comparisons of real `dcpctl run` servers on a tiny checkpoint through
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from typer.testing import CliRunner
 
@@ -168,3 +172,148 @@ def test_server_that_exits_fails_fast_with_its_error(tmp_path):
         pass
     assert time.perf_counter() - t0 < 60
     assert not server.alive()
+
+
+# --- slow: real `dcpctl run` servers on a tiny checkpoint, real lm-eval --------------------------------------
+
+
+def _plans(tmp_path: Path, model: Path) -> tuple[str, str]:
+    tp1 = write_plan(tmp_path, model, name="tp1.yaml")
+    dcp2 = write_plan(tmp_path, model, {"parallel.dcp": 2, "parallel.interleave": 4}, name="dcp2_i4.yaml")
+    return str(tp1), str(dcp2)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_compare_tp1_and_dcp2_end_to_end_then_resume(tmp_path, tiny_llama):
+    tp1, dcp2 = _plans(tmp_path, tiny_llama)
+    data, out = str(write_gsm8k(tmp_path / "data")), tmp_path / "out"
+    args = ["gsm8k", "--compare", tp1, dcp2, "--data-dir", data, "--limit", "3", "--num-fewshot", "1"]
+    code, text = invoke(*args, "--output", str(out))
+    assert code == 0, text
+    assert "gsm8k (local data)" in text and "text agreement" in text
+
+    cmp = json.loads((out / "comparison.json").read_text())
+    assert [c["label"] for c in cmp["columns"]] == ["tp1", "dcp2_i4"] and cmp["n_common"] == 3
+    assert cmp["n_shot"] == 1 and cmp["mode"] == "completions"
+    base, dcp = cmp["columns"]
+    assert not base["failed"] and not dcp["failed"]
+    # fp32, wide-margin tiny model: DCP must reproduce the baseline's generations exactly
+    assert dcp["text_agreement"]["same"] == dcp["text_agreement"]["total"] == 3
+    assert all(a["same"] == 3 for a in dcp["answer_agreement"].values())
+    assert dcp["disagreements"] == [] and all(d == 0 for d in dcp["delta"].values())
+    assert all(c["tokens_per_s"] and c["generated_tokens"] > 0 for c in cmp["columns"])
+    md = (out / "comparison.md").read_text()
+    assert "| text agreement |" in md and "3/3 (100.0%)" in md
+    assert (out / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for name in ("tp1", "dcp2_i4"):
+        rows = [json.loads(line) for line in (out / name / "samples.jsonl").read_text().splitlines()]
+        assert [r["doc_id"] for r in rows] == [0, 1, 2] and all(r["gold"] for r in rows)
+        assert len((out / name / "lm_eval" / "lm_eval_samples.jsonl").read_text().splitlines()) == 6  # 2 filters
+        assert "serving" in (out / name / "server.log").read_text()
+        saved = json.loads((out / name / eval_cmd.RUN_FILE).read_text())
+        assert 0 < saved["launch"]["time_to_healthy_s"] < 120 and saved["launch"]["exit_code"] in (0, 130)
+    samples = [json.loads(line) for line in (out / "tp1" / "samples.jsonl").read_text().splitlines()]
+    assert [s["generated"] for s in samples] == [
+        json.loads(line)["generated"] for line in (out / "dcp2_i4" / "samples.jsonl").read_text().splitlines()
+    ]
+
+    # --resume: both plans are reused, nothing is launched, the report is the same
+    logs = {n: (out / n / "server.log").stat().st_mtime_ns for n in ("tp1", "dcp2_i4")}
+    t0 = time.perf_counter()
+    code, text = invoke(*args, "--output", str(out), "--resume")
+    assert code == 0, text
+    assert text.count("reused") >= 2
+    assert time.perf_counter() - t0 < 30
+    assert {n: (out / n / "server.log").stat().st_mtime_ns for n in logs} == logs
+    again = json.loads((out / "comparison.json").read_text())
+    assert [c["text_agreement"] for c in again["columns"]] == [c["text_agreement"] for c in cmp["columns"]]
+
+
+def _kill_rank1_after_first_tokens(server: PlanServer) -> None:
+    """Simulate an engine crash: SIGKILL rank 1 of `server` once its first request is generating."""
+
+    def watch() -> None:
+        with httpx.Client(timeout=2.0, trust_env=False) as client:
+            while server.alive():
+                if client.get(f"{server.base_url}/v1/engine/stats").json()["generated_tokens"] > 0:
+                    break
+                time.sleep(0.02)
+        for proc in server.processes():
+            if "engine.worker" in " ".join(proc.cmdline()) and proc.environ().get("RANK") == "1":
+                proc.send_signal(signal.SIGKILL)
+                KILLED.append(proc.pid)
+
+    if server.label == "dcp2_i4":
+        threading.Thread(target=watch, daemon=True).start()
+
+
+KILLED: list[int] = []
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_engine_crash_mid_eval_fails_that_column_only(tmp_path, tiny_llama):
+    from rich.console import Console
+
+    tp1, dcp2 = _plans(tmp_path, tiny_llama)
+    after = str(write_plan(tmp_path, tiny_llama, {"cache.block_size": 32}, name="after.yaml"))
+    out = tmp_path / "out"
+    opts = eval_cmd.EvalOptions(data_dir=write_gsm8k(tmp_path / "data"), limit=4, num_fewshot=1)
+    console = Console(record=True, width=200)
+    KILLED.clear()
+    cmp, results = eval_cmd.run_comparison(
+        [tp1, dcp2, after], [], opts, output=out, console=console, on_server=_kill_rank1_after_first_tokens
+    )
+    assert len(KILLED) == 1
+    base, crashed, later = cmp.columns
+    assert not base.failed and not later.failed and crashed.failed
+    assert crashed.error.startswith("the server exited with code") and "during the eval" in crashed.error
+    assert later.text_agreement is not None and later.text_agreement.total == 4  # the plan after the crash ran
+    data = json.loads((out / "comparison.json").read_text())
+    assert [c["failed"] for c in data["columns"]] == [False, True, False]
+    assert "FAILED" in (out / "comparison.md").read_text() and "dcp2_i4" in (out / "comparison.md").read_text()
+    assert len((out / "tp1" / "samples.jsonl").read_text().splitlines()) == 4  # finished plans' results kept
+    assert "FAILED" in console.export_text()
+    for r in results:  # every rank of every server is gone
+        assert r.launch.get("exit_code") is not None
+    assert not any(_pid_alive(pid) for pid in KILLED)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+def test_url_target_in_chat_mode_against_real_server(tmp_path, tiny_llama):
+    """lm-eval's local-chat-completions against a running `dcpctl run`, given as a URL."""
+    tp1 = write_plan(tmp_path, tiny_llama, name="served.yaml")
+    data = str(write_gsm8k(tmp_path / "data"))
+    with PlanServer(tp1, [], log_path=tmp_path / "server.log") as server:
+        assert server.time_to_healthy_s and server.time_to_healthy_s > 0
+        code, text = invoke(
+            "gsm8k",
+            f"{server.base_url}/v1",
+            "--apply-chat-template",
+            "--data-dir",
+            data,
+            "--limit",
+            "2",
+            "--num-fewshot",
+            "1",
+            "--max-gen-toks",
+            "32",
+            "--output",
+            str(tmp_path / "out"),
+        )
+        assert server.alive()  # a URL target is evaluated as it is, never launched or stopped
+    assert code == 0, text
+    cmp = json.loads((tmp_path / "out" / "comparison.json").read_text())
+    (col,) = cmp["columns"]
+    assert col["label"] == server.base_url and col["mode"] == "chat" and col["n_samples"] == 2
+    assert not col["failed"] and col["generated_tokens"] > 0
+    assert server.returncode == 0  # SIGINT stopped it cleanly
