@@ -52,6 +52,13 @@ def _causal_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     return out[0, ..., :value_dim].transpose(0, 1), lse[0].transpose(0, 1).float()
 
 
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows `slots` [S, L] of a paged cache [blocks, block_size, H, D] as [S, L, H, D] (index_select: ~4x faster
+    than advanced indexing on CPU)."""
+    flat = cache.view(-1, *cache.shape[2:])
+    return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[2:])
+
+
 class TorchBackend(AttentionBackend):
     name = "torch"
 
@@ -100,8 +107,8 @@ class TorchBackend(AttentionBackend):
 
     def paged(self, q, key_cache, value_cache, value_dim, kv: PagedKV, scale):
         slots, valid = kv.extra["slots"], kv.extra["valid"]
-        keys = key_cache.view(-1, *key_cache.shape[2:])[slots]  # [S, L, Hkv, Dk]
-        values = keys[..., :value_dim] if value_cache is None else value_cache.view(-1, *value_cache.shape[2:])[slots]
+        keys = _gather(key_cache, slots)  # [S, L, Hkv, Dk]
+        values = keys[..., :value_dim] if value_cache is None else _gather(value_cache, slots)
         if kv.one_query_each and not kv.need_lse:  # one fused kernel when only the output is wanted
             out = torch.nn.functional.scaled_dot_product_attention(
                 q.unsqueeze(2),
