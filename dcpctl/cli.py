@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from dcpctl import demo_cmd, eval_cmd, model_cmd, plan_cmd, run_cmd
+from dcpctl import bench_cmd, demo_cmd, eval_cmd, model_cmd, plan_cmd, run_cmd
 from engine.errors import UserError
 
 app = typer.Typer(
@@ -22,6 +22,7 @@ app.add_typer(model_cmd.app, name="model")
 app.command("run")(run_cmd.run)
 app.add_typer(eval_cmd.app, name="eval")
 app.command("demo")(demo_cmd.demo)
+app.command("bench")(bench_cmd.bench)
 
 
 def main() -> None:
