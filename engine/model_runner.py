@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from engine import dcp
+from engine.attention import kv_cache
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata, PagedKV, PrefillNew, step_metadata
 from engine.distributed import ParallelContext
@@ -72,37 +73,32 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
 
     def allocate_cache(self, layout: CacheLayout) -> None:
-        """One allocation for all layers; each attention layer gets views of it."""
+        """One allocation for all layers, in the backend's preferred layout; each attention layer gets views of it."""
         layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         first = layers[0]
-        c = self.cache_layout = layout
-        if first.value_in_key:
-            shape = (len(layers), c.num_blocks, c.block_size, first.num_kv_heads, first.key_dim)
-        else:
-            shape = (len(layers), 2, c.num_blocks, c.block_size, first.num_kv_heads, first.key_dim)
-        # zeros, not empty: padded gathers read unwritten slots and 0 * NaN would poison the output
-        cache = torch.zeros(shape, dtype=c.dtype, device=self.device)
-        for i, layer in enumerate(layers):
-            if layer.value_in_key:
-                layer.key_cache, layer.value_cache = cache[i], None
-            else:
-                layer.key_cache, layer.value_cache = cache[i, 0], cache[i, 1]
-        self.kv_cache = cache
+        self.cache_layout = layout
+        self.kv_cache, views = kv_cache.allocate(
+            len(layers),
+            layout.num_blocks,
+            layout.block_size,
+            first.num_kv_heads,
+            first.key_dim,
+            first.value_in_key,
+            layout.dtype,
+            self.device,
+            head_major=getattr(self.backend, "head_major_cache", False),
+        )
+        for layer, (keys, values) in zip(layers, views, strict=True):
+            layer.key_cache, layer.value_cache = keys, values
 
     @property
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
     def _metadata(
-        self,
-        plan: StepPlan,
-        starts: torch.Tensor,
-        counts: torch.Tensor,
-        cu: torch.Tensor,
-        tables: torch.Tensor,
-        slots: torch.Tensor,
+        self, plan: StepPlan, cu: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor
     ) -> AttentionMetadata:
-        c, d, r = self.cache_layout, self.par.dcp_size, self.par.dcp_rank
+        d = self.par.dcp_size
         num_prefills = plan.num_prefills
         prefill_counts = [len(ch.token_ids) for ch in plan.chunks[:num_prefills]]
         prefill_tokens = sum(prefill_counts)
@@ -118,37 +114,43 @@ class ModelRunner:
             )
             context = [ch.start for ch in plan.chunks[:num_prefills]]
             if any(context):
-                md.prefill_context = PagedKV(
-                    block_tables=tables[:num_prefills],
-                    lens=dcp.local_len(starts[:num_prefills], r, c.interleave, d),
-                    query_start=cu[: num_prefills + 1],
-                    query_counts=prefill_counts,
-                    max_len=max(dcp.local_len(s, r, c.interleave, d) for s in context),
-                    block_size=c.block_size,
+                md.prefill_context = self._paged_kv(
+                    tables[:num_prefills], context, cu[: num_prefills + 1], prefill_counts, need_lse=True
                 )
         if md.num_decode_tokens:
-            ends = [ch.start + 1 for ch in plan.chunks[num_prefills:]]
-            md.decode = PagedKV(
-                block_tables=tables[num_prefills:],
-                lens=dcp.local_len(starts[num_prefills:] + 1, r, c.interleave, d),
-                query_start=cu[num_prefills:] - prefill_tokens,
-                query_counts=[1] * md.num_decode_tokens,
-                max_len=max(dcp.local_len(e, r, c.interleave, d) for e in ends),
-                block_size=c.block_size,
+            ends = [ch.start + 1 for ch in plan.chunks[num_prefills:]]  # the new token is already in the cache
+            md.decode = self._paged_kv(
+                tables[num_prefills:],
+                ends,
+                cu[num_prefills:] - prefill_tokens,
+                [1] * md.num_decode_tokens,
                 need_lse=d > 1,
             )
         self.backend.prepare(md)
         return md
 
-    @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepLogits | None:
-        """Run one step; rank 0 gets the logits the plan asked for, other ranks None."""
+    def _paged_kv(
+        self, tables: torch.Tensor, lengths: list[int], query_start: torch.Tensor, counts: list[int], need_lse: bool
+    ) -> PagedKV:
+        """The cached tokens of each sequence that this rank holds (its DCP shard of the first `lengths`)."""
+        c = self.cache_layout
+        local = [dcp.local_len(n, self.par.dcp_rank, c.interleave, self.par.dcp_size) for n in lengths]
+        return PagedKV(
+            block_tables=tables,
+            lens=torch.tensor(local, device=self.device),
+            query_start=query_start,
+            query_counts=counts,
+            local_lens=local,
+            max_len=max(local),
+            block_size=c.block_size,
+            need_lse=need_lse,
+        )
+
+    def prepare_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Token ids, positions and attention metadata of a (non-empty) step, built once for all layers."""
         chunks = plan.chunks
-        if not chunks:
-            return None
         device = self.device
-        counts_list = [len(ch.token_ids) for ch in chunks]
-        counts = torch.tensor(counts_list, device=device)
+        counts = torch.tensor([len(ch.token_ids) for ch in chunks], device=device)
         starts = torch.tensor([ch.start for ch in chunks], device=device)
         cu = torch.zeros(len(chunks) + 1, dtype=torch.int64, device=device)
         torch.cumsum(counts, 0, out=cu[1:])
@@ -163,7 +165,15 @@ class ModelRunner:
         slots = dcp.slot(
             positions, self.par.dcp_rank, tables, c.block_size, c.interleave, self.par.dcp_size, rows=seq_index
         )
-        metadata = self._metadata(plan, starts, counts, cu, tables, slots)
+        return input_ids, positions, self._metadata(plan, cu, tables, slots)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepLogits | None:
+        """Run one step; rank 0 gets the logits the plan asked for, other ranks None."""
+        chunks = plan.chunks
+        if not chunks:
+            return None
+        input_ids, positions, metadata = self.prepare_inputs(plan)
         with step_metadata(metadata):
             hidden = self.model(input_ids, positions)
         if not self.par.computes_logits:
@@ -171,7 +181,8 @@ class ModelRunner:
         rows: list[int] = []
         chunk_rows: list[tuple[int, int]] = []
         offset = 0
-        for ch, n in zip(chunks, counts_list, strict=True):
+        for ch in chunks:
+            n = len(ch.token_ids)
             if ch.prompt_logprobs:
                 chunk_rows.append((len(rows), n))
                 rows.extend(range(offset, offset + n))
@@ -183,5 +194,5 @@ class ModelRunner:
             offset += n
         if not rows:
             return None
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=device)])
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         return None if logits is None else StepLogits(logits=logits, chunk_rows=chunk_rows)

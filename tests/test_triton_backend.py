@@ -17,6 +17,7 @@ import torch
 
 from engine import dcp
 from engine.attention import triton_kernels as tk
+from engine.attention import kv_cache
 from engine.attention.backend import create_backend
 from engine.attention.torch_backend import softmax_attention
 from engine.errors import UserError
@@ -26,22 +27,19 @@ from tests.oracle import LOGPROB_TOL, prompt_ids, read_jsonl, write_plan
 
 
 def runner_metadata(backend, plan: StepPlan, layout: CacheLayout, dcp_size: int, dcp_rank: int, device="cpu"):
-    """The step's metadata exactly as ModelRunner.execute builds it (same tensors, then ModelRunner._metadata)."""
-    chunks = plan.chunks
-    counts = torch.tensor([len(ch.token_ids) for ch in chunks], device=device)
-    starts = torch.tensor([ch.start for ch in chunks], device=device)
-    cu = torch.zeros(len(chunks) + 1, dtype=torch.int64, device=device)
-    torch.cumsum(counts, 0, out=cu[1:])
-    width = max(len(ch.block_table) for ch in chunks)
-    padded = [ch.block_table + [0] * (width - len(ch.block_table)) for ch in chunks]
-    tables = torch.tensor(padded, dtype=torch.int64, device=device)
-    seq_index = torch.repeat_interleave(torch.arange(len(chunks), device=device), counts)
-    positions = starts[seq_index] + torch.arange(int(counts.sum()), device=device) - cu[seq_index]
-    slots = dcp.slot(positions, dcp_rank, tables, layout.block_size, layout.interleave, dcp_size, rows=seq_index)
+    """The step's metadata exactly as ModelRunner.execute builds it (ModelRunner.prepare_inputs itself)."""
     runner = SimpleNamespace(
-        cache_layout=layout, par=SimpleNamespace(dcp_size=dcp_size, dcp_rank=dcp_rank), backend=backend
+        cache_layout=layout,
+        par=SimpleNamespace(dcp_size=dcp_size, dcp_rank=dcp_rank),
+        backend=backend,
+        device=torch.device(device),
     )
-    return ModelRunner._metadata(runner, plan, starts, counts, cu, tables, slots)
+    runner._metadata = lambda *args: ModelRunner._metadata(runner, *args)
+    runner._paged_kv = lambda *args, **kw: ModelRunner._paged_kv(runner, *args, **kw)
+    metadata = ModelRunner.prepare_inputs(runner, plan)[2]
+    if metadata.decode is not None:
+        metadata.decode.need_lse = True  # these checks merge decode partials by LSE even at dcp 1
+    return metadata
 
 
 def make_step(block_size: int, dcp_size: int) -> StepPlan:
@@ -82,19 +80,19 @@ class World:
         vs = [v[ch.start :] for v, ch in zip(self.values, self.plan.chunks, strict=True)]
         return torch.cat(ks), torch.cat(vs), torch.cat(self.queries)
 
-    def caches(self, layout: CacheLayout, rank: int, dcp_size: int):
-        """This rank's cache holding every sequence's context (positions before the chunk), as earlier steps left it."""
-        like = {"device": self.device, "dtype": self.dtype}
-        kc = torch.zeros(layout.num_blocks, layout.block_size, self.hkv, self.dk, **like)
-        vc = None if self.mla else torch.zeros(layout.num_blocks, layout.block_size, self.hkv, self.dv, **like)
+    def caches(self, layout: CacheLayout, rank: int, dcp_size: int, backend):
+        """This rank's cache holding every sequence's context (positions before the chunk), as earlier steps left it,
+        allocated in `backend`'s layout."""
+        _, ((kc, vc),) = kv_cache.allocate(1, layout.num_blocks, layout.block_size, self.hkv, self.dk, self.mla,
+                                           self.dtype, torch.device(self.device), backend.head_major_cache)
         for ch, k, v in zip(self.plan.chunks, self.keys, self.values, strict=True):
             pos = torch.arange(ch.start, device=self.device)
             table = torch.tensor(ch.block_table, device=self.device)
             slot = dcp.slot(pos, rank, table, layout.block_size, layout.interleave, dcp_size)
-            owned = slot >= 0
-            kc.view(-1, self.hkv, self.dk)[slot[owned]] = k[: ch.start][owned]
+            owned = slot[slot >= 0]
+            kc[owned // layout.block_size, owned % layout.block_size] = k[: ch.start][slot >= 0].to(kc.dtype)
             if vc is not None:
-                vc.view(-1, self.hkv, self.dv)[slot[owned]] = v[: ch.start][owned]
+                vc[owned // layout.block_size, owned % layout.block_size] = v[: ch.start][slot >= 0].to(vc.dtype)
         return kc, vc
 
 
@@ -159,8 +157,8 @@ def check_backend(name, arch, dcp_size, interleave, block_size, device="cpu", dt
         assert md_o.prefill_context is not None and md_o.decode is not None
         if dcp_size > 1 and rank == 1:
             assert (md_o.decode.lens == 0).any()  # a 1-token sequence: rank 1 holds none of it
-        kc_o, vc_o = world.caches(layout, rank, dcp_size)
-        kc_r, vc_r = kc_o.clone(), None if vc_o is None else vc_o.clone()
+        kc_o, vc_o = world.caches(layout, rank, dcp_size, ours)
+        kc_r, vc_r = world.caches(layout, rank, dcp_size, ref)
         got = run_layer(ours, md_o, world, kc_o, vc_o, scale)
         want = run_layer(ref, md_r, world, kc_r, vc_r, scale)
         assert torch.equal(kc_o, kc_r) and (vc_o is None or torch.equal(vc_o, vc_r))

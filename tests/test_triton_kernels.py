@@ -50,9 +50,15 @@ def make_paged(lens: list[int], query_counts: list[int], block_size: int, device
         lens=torch.tensor(lens, dtype=torch.int64, device=device),
         query_start=start.to(device),
         query_counts=query_counts,
+        local_lens=list(lens),
         max_len=max(lens),
         block_size=block_size,
     )
+
+
+def head_major(cache: torch.Tensor | None) -> torch.Tensor | None:
+    """The same logical cache in the torch backend's head-major storage."""
+    return None if cache is None else cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
 
 
 def reference_paged(q, key_cache, value_cache, value_dim, kv: PagedKV, scale):
@@ -65,7 +71,7 @@ def reference_paged(q, key_cache, value_cache, value_dim, kv: PagedKV, scale):
     )
     ref = TorchBackend()
     ref.prepare(md)
-    return ref.paged(q, key_cache, value_cache, value_dim, kv, scale)
+    return ref.paged(q, head_major(key_cache), head_major(value_cache), value_dim, kv, scale)
 
 
 def run_paged(q, key_cache, value_cache, value_dim, kv: PagedKV, scale, **kw):
@@ -104,7 +110,7 @@ def test_store_writes_owned_slots_and_skips_minus_one(device, mla):
     key = wide[..., :dk]  # a strided view, as the layers pass it
     value = None if mla else torch.randn(n, hkv, dv, generator=gen).to(device)
     kc, vc = caches(blocks, block_size, hkv, dk, dv, torch.float32, device, gen, mla)
-    ref_kc, ref_vc = kc.clone(), None if vc is None else vc.clone()
+    ref_kc, ref_vc = head_major(kc), head_major(vc)
 
     md = AttentionMetadata(backend=None, slot_mapping=slots, num_prefill_tokens=n, num_decode_tokens=0)
     ref = TorchBackend()

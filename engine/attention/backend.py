@@ -20,6 +20,7 @@ class AttentionBackend(ABC):
     """Kernels one engine step uses; `prepare` runs once per step, the rest once per layer."""
 
     name: str = ""
+    head_major_cache: bool = False  # True: cache stored [blocks, kv heads, block_size, dim] (attention.kv_cache)
 
     def prepare(self, metadata: AttentionMetadata) -> None:  # noqa: B027 - optional hook
         """Precompute backend-specific tensors for this step (default: nothing)."""

@@ -25,6 +25,7 @@ class PagedKV:
     lens: torch.Tensor  # [S] int64, local lengths on this rank (0: this rank holds none)
     query_start: torch.Tensor  # [S + 1] int64
     query_counts: list[int]
+    local_lens: list[int]  # `lens` as Python ints
     max_len: int
     block_size: int
     need_lse: bool = True  # False: the caller discards the log-sum-exp (decode without DCP)

@@ -1,0 +1,29 @@
+"""One KV cache allocation for all layers, laid out as the attention backend prefers.
+
+Layers always see [num_blocks, block_size, kv_heads, dim] tensors; a backend with `head_major_cache`
+gets storage ordered [num_blocks, kv_heads, block_size, dim] behind those views.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def allocate(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    kv_heads: int,
+    key_dim: int,
+    value_in_key: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+    head_major: bool,
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor | None]]]:
+    """The storage and each layer's (key cache, value cache or None when values live in the keys, as in MLA)."""
+    kinds = 1 if value_in_key else 2
+    inner = (kv_heads, block_size, key_dim) if head_major else (block_size, kv_heads, key_dim)
+    # zeros, not empty: padded gathers read unwritten slots, and 0 * NaN would poison the output
+    storage = torch.zeros((num_layers, kinds, num_blocks, *inner), dtype=dtype, device=device)
+    views = storage.permute(0, 1, 2, 4, 3, 5) if head_major else storage
+    return storage, [(views[i, 0], None if value_in_key else views[i, 1]) for i in range(num_layers)]
