@@ -26,10 +26,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from dcpctl.args import split_plans_and_overrides
 from dcpctl.eval_cmd import Target, make_console, resolve_targets
 from engine.errors import UserError
+from engine.model_info import weight_elements
 from evals.bench.client import RequestRecord, RunResult, run_requests
 from evals.bench.metrics import compute_metrics
 from evals.bench.report import BenchReport, TargetResult, caption_lines, render_table, roofline_lines, write_report
-from evals.bench.roofline import copy_bandwidth_subprocess, decode_roofline, weight_elements
+from evals.bench.roofline import copy_bandwidth_subprocess, decode_roofline
 from evals.bench.workload import Workload, build_workload, load_tokenizer
 from evals.launch import DEFAULT_HEALTH_TIMEOUT_S, PlanServer
 

@@ -76,18 +76,23 @@ def dtype_bytes(name: str) -> int:
         raise UserError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16") from None
 
 
-def _safetensors_bytes(folder: Path) -> int:
-    total = 0
-    for file in sorted(folder.glob("*.safetensors")):
+def safetensors_entries(folder: Path) -> list[tuple[str, str, int]]:
+    """(name, dtype, bytes) of every tensor in a folder's safetensors files, read from their headers only."""
+    entries = []
+    for file in sorted(Path(folder).glob("*.safetensors")):
         with file.open("rb") as fh:
             (header_len,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(header_len))
         for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            start, end = meta["data_offsets"]
-            total += end - start
-    return total
+            if name != "__metadata__":
+                start, end = meta["data_offsets"]
+                entries.append((name, meta["dtype"], end - start))
+    return entries
+
+
+def weight_elements(folder: Path) -> int:
+    """Parameters stored in a checkpoint folder (tied weights count once)."""
+    return sum(size // _DTYPE_BYTES.get(dtype, 1) for _, dtype, size in safetensors_entries(folder))
 
 
 def read_config(folder: Path) -> dict:
@@ -142,7 +147,7 @@ def read_model_info(folder: str | Path) -> ModelInfo:
             qk_rope_head_dim=int(config.get("qk_rope_head_dim") or 0),
             intermediate_size=int(config.get("intermediate_size") or 0),
             moe_intermediate_size=int(config.get("moe_intermediate_size") or 0),
-            weight_bytes=_safetensors_bytes(folder),
+            weight_bytes=sum(size for _, _, size in safetensors_entries(folder)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"{folder / 'config.json'}: missing or malformed field {exc}") from None

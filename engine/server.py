@@ -703,6 +703,18 @@ class OpenAIServer:
             "stop_reason": choice.stop_reason,
         }
 
+    def _stream_chunk(
+        self, rid: str, kind: str, created: int, item: dict, gen: _Generation, finish: str | None, include_usage: bool
+    ) -> dict:
+        """One SSE body with a single choice; `usage` is null on all but the final usage chunk."""
+        item["finish_reason"] = finish
+        if finish is not None:
+            item["stop_reason"] = gen.choices[item["index"]].stop_reason
+        body = {"id": rid, "object": kind, "created": created, "model": self.model_name, "choices": [item]}
+        if include_usage:
+            body["usage"] = None
+        return body
+
     async def _completion_chunks(
         self, req: CompletionRequest, gen: _Generation, rid: str, created: int, prompt_tokens: int
     ):
@@ -711,19 +723,8 @@ class OpenAIServer:
         sent_logprobs = dict.fromkeys(builders, 0)
 
         def chunk(index: int, text: str, logprobs: dict | None, finish: str | None) -> dict:
-            item = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            if finish is not None:
-                item["stop_reason"] = gen.choices[index].stop_reason
-            body = {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": [item],
-            }
-            if req.include_usage:
-                body["usage"] = None
-            return body
+            item = {"index": index, "text": text, "logprobs": logprobs}
+            return self._stream_chunk(rid, "text_completion", created, item, gen, finish, req.include_usage)
 
         async for choice in gen.updates():
             parts = []
@@ -825,19 +826,8 @@ class OpenAIServer:
         sent_logprobs = {c.index: 0 for c in gen.choices}
 
         def chunk(index: int, delta: dict, logprobs: dict | None, finish: str | None) -> dict:
-            item = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            if finish is not None:
-                item["stop_reason"] = gen.choices[index].stop_reason
-            body = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.model_name,
-                "choices": [item],
-            }
-            if req.include_usage:
-                body["usage"] = None
-            return body
+            item = {"index": index, "delta": delta, "logprobs": logprobs}
+            return self._stream_chunk(rid, "chat.completion.chunk", created, item, gen, finish, req.include_usage)
 
         for choice in gen.choices:  # the role first, as OpenAI sends it
             yield chunk(choice.index, {"role": "assistant", "content": ""}, None, None)

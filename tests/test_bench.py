@@ -13,10 +13,11 @@ from typer.testing import CliRunner
 
 from dcpctl import bench_cmd
 from engine.errors import UserError
+from engine.model_info import weight_elements
 from engine.plan.checks import validate_plan_file
 from evals.bench.client import RequestRecord, arrival_times, run_requests
 from evals.bench.metrics import compute_metrics, tpot_of
-from evals.bench.roofline import copy_bandwidth, decode_roofline, weight_elements
+from evals.bench.roofline import copy_bandwidth, decode_roofline
 from evals.bench.workload import build_workload, load_tokenizer, random_prompts, sampleable_ids
 from evals.launch import PlanServer
 from tests.oracle import write_plan

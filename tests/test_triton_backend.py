@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from engine import dcp
-from engine.attention import triton_kernels as tk
 from engine.attention import kv_cache
+from engine.attention import triton_kernels as tk
 from engine.attention.backend import create_backend
 from engine.attention.torch_backend import softmax_attention
 from engine.errors import UserError
@@ -83,8 +83,17 @@ class World:
     def caches(self, layout: CacheLayout, rank: int, dcp_size: int, backend):
         """This rank's cache holding every sequence's context (positions before the chunk), as earlier steps left it,
         allocated in `backend`'s layout."""
-        _, ((kc, vc),) = kv_cache.allocate(1, layout.num_blocks, layout.block_size, self.hkv, self.dk, self.mla,
-                                           self.dtype, torch.device(self.device), backend.head_major_cache)
+        _, ((kc, vc),) = kv_cache.allocate(
+            1,
+            layout.num_blocks,
+            layout.block_size,
+            self.hkv,
+            self.dk,
+            self.mla,
+            self.dtype,
+            torch.device(self.device),
+            backend.head_major_cache,
+        )
         for ch, k, v in zip(self.plan.chunks, self.keys, self.values, strict=True):
             pos = torch.arange(ch.start, device=self.device)
             table = torch.tensor(ch.block_table, device=self.device)

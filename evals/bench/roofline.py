@@ -10,28 +10,13 @@ figure printed is limit / measured step time (1.0 = at the memory-bandwidth limi
 from __future__ import annotations
 
 import argparse
-import json
-import struct
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 COPY_BYTES = 256 * 2**20  # well beyond the last-level cache of the CPUs and GPUs this runs on
-_SAFETENSORS_BYTES = {
-    "F64": 8,
-    "I64": 8,
-    "F32": 4,
-    "I32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-}
 
 
 def copy_bandwidth(device: str = "cpu", size_bytes: int = COPY_BYTES, repeats: int = 5) -> float:
@@ -67,21 +52,6 @@ def copy_bandwidth_subprocess(device: str = "cpu", timeout_s: float = 120.0) -> 
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise RuntimeError(f"the {device} copy benchmark failed: {tail}")
     return float(proc.stdout.strip().splitlines()[-1])
-
-
-def weight_elements(folder: str | Path) -> int:
-    """Parameters in a checkpoint folder's safetensors files (read from their headers; tied weights count once)."""
-    total = 0
-    for file in sorted(Path(folder).glob("*.safetensors")):
-        with file.open("rb") as fh:
-            (header_len,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(header_len))
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            start, end = meta["data_offsets"]
-            total += (end - start) // _SAFETENSORS_BYTES.get(meta["dtype"], 1)
-    return total
 
 
 @dataclass(frozen=True)
