@@ -49,6 +49,15 @@ def test_resolve_model_path(monkeypatch, tmp_path):
     assert resolve_model_path(f"./{SMOLLM2}") == Path(SMOLLM2)
 
 
+def test_hub_ids_and_hub_aliases_resolve_to_their_pulled_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("DCPCTL_CACHE", str(tmp_path))
+    assert is_alias("deepseek-v2-lite")
+    assert resolve_model_path("deepseek-v2-lite") == tmp_path / "deepseek-ai--DeepSeek-V2-Lite"
+    assert resolve_model_path("org/name") == Path("org/name")  # not pulled: a plain relative path
+    (tmp_path / "org--name").mkdir()
+    assert resolve_model_path("org/name") == tmp_path / "org--name"
+
+
 def test_is_complete(tmp_path):
     assert not is_complete(tmp_path / "missing")
     assert not is_complete(tmp_path)

@@ -35,6 +35,15 @@ KNOWN_ALIASES: dict[str, Alias] = {
 }
 
 
+# Short names for hub checkpoints (pulled with `dcpctl model pull NAME`, which needs hub access).
+HUB_ALIASES: dict[str, str] = {"deepseek-v2-lite": "deepseek-ai/DeepSeek-V2-Lite"}
+
+
+def hub_folder(repo_id: str) -> Path:
+    """Where a hub checkpoint ORG/NAME is pulled to: `cache_dir()/ORG--NAME`."""
+    return cache_dir() / repo_id.replace("/", "--")
+
+
 def cache_dir() -> Path:
     """Folder that holds pulled models: `$DCPCTL_CACHE` if set, else `~/.cache/dcpctl/models`."""
     env = os.environ.get("DCPCTL_CACHE")
@@ -44,19 +53,25 @@ def cache_dir() -> Path:
 
 
 def is_alias(name: str) -> bool:
-    """True if `name` is one of `KNOWN_ALIASES`."""
-    return name in KNOWN_ALIASES
+    """True if `name` is one of `KNOWN_ALIASES` or `HUB_ALIASES`."""
+    return name in KNOWN_ALIASES or name in HUB_ALIASES
 
 
 def resolve_model_path(path_or_alias: str) -> Path:
     """An alias maps to its folder in `cache_dir()` (which may not exist yet); anything else is a path.
 
     A plain path is only `~`-expanded, so a relative one stays relative to the current directory. An alias
-    wins over a same-named folder in the current directory; write `./NAME` to mean the folder.
+    wins over a same-named folder in the current directory; write `./NAME` to mean the folder. A hub id
+    ORG/NAME that is not a local folder means its pulled copy, `cache_dir()/ORG--NAME`, once that exists.
     """
-    if is_alias(path_or_alias):
+    if path_or_alias in KNOWN_ALIASES:
         return cache_dir() / path_or_alias
-    return Path(path_or_alias).expanduser()
+    if path_or_alias in HUB_ALIASES:
+        return hub_folder(HUB_ALIASES[path_or_alias])
+    path = Path(path_or_alias).expanduser()
+    if path_or_alias.count("/") == 1 and not path.exists() and hub_folder(path_or_alias).is_dir():
+        return hub_folder(path_or_alias)  # a hub id ORG/NAME that `dcpctl model pull` fetched
+    return path
 
 
 def is_complete(folder: str | os.PathLike) -> bool:

@@ -18,7 +18,15 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from engine.checkpoints.aliases import COMPLETE_MARKER, KNOWN_ALIASES, Alias, cache_dir, is_complete
+from engine.checkpoints.aliases import (
+    COMPLETE_MARKER,
+    HUB_ALIASES,
+    KNOWN_ALIASES,
+    Alias,
+    cache_dir,
+    hub_folder,
+    is_complete,
+)
 from engine.checkpoints.tiny import make_readable, quiet_hf
 from engine.errors import UserError
 from engine.io_utils import atomic_write_text
@@ -47,14 +55,15 @@ def pull_model(name: str, dest: str | os.PathLike | None = None, console: Any = 
     Default destination: `cache_dir()/NAME` (hub ids: `ORG--NAME`). `console` (a rich Console) gets progress
     lines; None keeps quiet.
     """
+    name = HUB_ALIASES.get(name, name)
     if name in KNOWN_ALIASES:
         target = Path(dest).expanduser() if dest is not None else cache_dir() / name
         return _pull(target, console, lambda build: _build_from_gguf(KNOWN_ALIASES[name], build, console))
     if "/" in name:
-        target = Path(dest).expanduser() if dest is not None else cache_dir() / name.replace("/", "--")
+        target = Path(dest).expanduser() if dest is not None else hub_folder(name)
         return _pull(target, console, lambda build: _build_from_hub(name, build, console))
     raise UserError(
-        f"unknown model {name!r}: use a known alias ({', '.join(sorted(KNOWN_ALIASES))}) "
+        f"unknown model {name!r}: use a known alias ({', '.join(sorted([*KNOWN_ALIASES, *HUB_ALIASES]))}) "
         "or a Hugging Face hub id ORG/NAME"
     )
 
