@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine import distributed
 from engine.api_protocol import (
     ChatCompletionRequest,
     CompletionLogprobs,
@@ -994,11 +995,15 @@ def serve_plan(report: PlanReport) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         follow(par, runner)
+        distributed.shutdown()
         return
     engine = LLMEngine(config, par, runner)
     serve = report.plan.serve
     _configure_logging()
-    serve_engine(engine, serve.host, serve.port, serve.model_name or report.name)
+    try:
+        serve_engine(engine, serve.host, serve.port, serve.model_name or report.name)
+    finally:
+        distributed.shutdown()
 
 
 def _configure_logging() -> None:
