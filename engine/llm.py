@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import distributed
 from engine.engine_core import LLMEngine, follow, start_rank
 from engine.errors import UserError
 from engine.plan.checks import PlanReport, validate_plan_file
@@ -100,7 +99,6 @@ class LLM:
         config, par, runner = start_rank(report)
         if not par.is_driver:
             follow(par, runner)
-            distributed.shutdown()
             sys.exit(0)
         self.engine = LLMEngine(config, par, runner)
 
@@ -141,9 +139,8 @@ class LLM:
         return [RequestOutput.from_sequence(r) if isinstance(r, Sequence) else r for r in results]
 
     def close(self) -> None:
-        """Stop the other ranks (when there are any) and leave the process group."""
+        """Stop the other ranks (when there are any)."""
         self.engine.shutdown()
-        distributed.shutdown()
 
     def __enter__(self) -> LLM:
         return self

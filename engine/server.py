@@ -32,7 +32,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine import distributed
 from engine.api_protocol import (
     ChatCompletionRequest,
     CompletionLogprobs,
@@ -995,15 +994,11 @@ def serve_plan(report: PlanReport) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
         follow(par, runner)
-        distributed.shutdown()
         return
     engine = LLMEngine(config, par, runner)
     serve = report.plan.serve
     _configure_logging()
-    try:
-        serve_engine(engine, serve.host, serve.port, serve.model_name or report.name)
-    finally:
-        distributed.shutdown()
+    serve_engine(engine, serve.host, serve.port, serve.model_name or report.name)
 
 
 def _configure_logging() -> None:
