@@ -133,11 +133,6 @@ def init_parallel(layout: ParallelLayout, device_type: str, dist_backend: str) -
     return context
 
 
-def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum over the group in place (no-op for a one-rank group)."""
     if group is not None:

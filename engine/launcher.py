@@ -64,7 +64,11 @@ _ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(
 
 
 def _root_error(error_dir: Path, log_text: str) -> str | None:
-    """The failing rank's own message, or how it died; torchrun names the first rank that failed."""
+    """The failing rank's own message, or how it died.
+
+    torchrun names the first rank it saw fail, but a peer's connection error can reach it before the rank that
+    raised has exited; the earliest error a rank wrote is the cause whenever there is one.
+    """
     errors: dict[int, dict] = {}
     for file in error_dir.glob("rank*.json"):
         try:
@@ -75,11 +79,10 @@ def _root_error(error_dir: Path, log_text: str) -> str | None:
     match = _ROOT_CAUSE.search(log_text)
     if match:
         rank, code = int(match.group(1)), int(match.group(2))
-        if rank in errors:
-            return f"rank {rank}: {errors[rank]['message']}"
-        return f"rank {rank} " + (
-            f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        )
+        if rank not in errors:
+            return f"rank {rank} " + (
+                f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            )
     if errors:
         first = min(errors.values(), key=lambda e: e["time"])
         return f"rank {first['rank']}: {first['message']}"

@@ -130,3 +130,22 @@ def test_busy_master_port_is_a_clear_error(tmp_path, tiny_models):
         code, err, _ = finish(proc, timeout=60)
     assert code == 1
     assert f"error: launch.master_port={port} on 127.0.0.1 is already in use" in err
+
+
+def _torchrun_root_cause(rank: int, exitcode: int) -> str:
+    return f"Root Cause (first observed failure):\n[0]:\n  rank      : {rank}\n  exitcode  : {exitcode}\n"
+
+
+def test_root_error_prefers_the_earliest_error_a_rank_wrote(tmp_path):
+    import json
+
+    from engine.launcher import _root_error
+
+    (tmp_path / "rank0.json").write_text(json.dumps({"rank": 0, "time": 2.0, "message": "Connection closed by peer"}))
+    (tmp_path / "rank1.json").write_text(json.dumps({"rank": 1, "time": 1.0, "message": "RuntimeError: boom"}))
+    # torchrun saw rank 0's connection error first; rank 1's own error is the cause
+    assert _root_error(tmp_path, _torchrun_root_cause(0, 1)) == "rank 1: RuntimeError: boom"
+    (tmp_path / "rank0.json").unlink()
+    (tmp_path / "rank1.json").unlink()
+    assert _root_error(tmp_path, _torchrun_root_cause(1, -9)) == "rank 1 was killed by SIGKILL"
+    assert _root_error(tmp_path, "") is None
