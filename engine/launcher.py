@@ -60,14 +60,15 @@ def torchrun_command(report: PlanReport, worker_args: list[str]) -> list[str]:
     return [*cmd, "-m", "engine.worker", *worker_args]
 
 
-_ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+_FAILURE = re.compile(r"^\s*rank\s*:\s*(\d+).*\n\s*exitcode\s*:\s*(-?\d+)", re.M)
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "gloo/transport")
 
 
 def _root_error(error_dir: Path, log_text: str) -> str | None:
-    """The failing rank's own message, or how it died.
+    """The rank that caused the failure: its own message, or how it died.
 
-    torchrun names the first rank it saw fail, but a peer's connection error can reach it before the rank that
-    raised has exited; the earliest error a rank wrote is the cause whenever there is one.
+    A rank that loses a peer fails with a connection error, and torchrun may observe that first; so the cause is the
+    earliest error a rank wrote that is not a lost peer, else a rank that died without writing one, else any error.
     """
     errors: dict[int, dict] = {}
     for file in error_dir.glob("rank*.json"):
@@ -76,9 +77,11 @@ def _root_error(error_dir: Path, log_text: str) -> str | None:
         except (OSError, ValueError):
             continue
         errors[record["rank"]] = record
-    match = _ROOT_CAUSE.search(log_text)
-    if match:
-        rank, code = int(match.group(1)), int(match.group(2))
+    own = [e for e in errors.values() if not any(s in e["message"] for s in _PEER_LOST)]
+    if own:
+        first = min(own, key=lambda e: e["time"])
+        return f"rank {first['rank']}: {first['message']}"
+    for rank, code in ((int(r), int(c)) for r, c in _FAILURE.findall(log_text)):
         if rank not in errors:
             return f"rank {rank} " + (
                 f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"

@@ -28,6 +28,18 @@ def _write_error(error_dir: str | None, message: str) -> None:
 
 
 def run(argv: list[str] | None = None) -> None:
+    """One rank under torchrun: run the job, then leave at once with its exit code.
+
+    Leaving through os._exit skips interpreter finalization, where gloo's worker threads abort the process
+    ("terminate called without an active exception") or hang it; every result is written and flushed by then.
+    """
+    code = _run_job(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run_job(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="engine.worker")
     parser.add_argument("--plan", required=True)
     parser.add_argument("--set", action="append", default=[], dest="overrides")
@@ -35,7 +47,10 @@ def run(argv: list[str] | None = None) -> None:
     job = parser.add_mutually_exclusive_group(required=True)
     job.add_argument("--job-file")
     job.add_argument("--serve", action="store_true")
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
     try:
         from engine.llm import resolve_report
 
@@ -53,18 +68,19 @@ def run(argv: list[str] | None = None) -> None:
                 run_offline(llm, OfflineJob.load(Path(args.job_file)))
             finally:
                 llm.close()
+        return 0
     except UserError as exc:
         _write_error(args.error_dir, str(exc))
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        return 1
     except KeyboardInterrupt:
-        sys.exit(130)
+        return 130
     except BaseException as exc:
         if isinstance(exc, SystemExit) and not exc.code:
-            raise
+            return 0  # a follower rank of LLM(...) after rank 0 closed it
         _write_error(args.error_dir, f"{type(exc).__name__}: {exc}")
         traceback.print_exc()
-        sys.exit(1)
+        return 1
 
 
 if __name__ == "__main__":

@@ -143,9 +143,12 @@ def test_root_error_prefers_the_earliest_error_a_rank_wrote(tmp_path):
 
     (tmp_path / "rank0.json").write_text(json.dumps({"rank": 0, "time": 2.0, "message": "Connection closed by peer"}))
     (tmp_path / "rank1.json").write_text(json.dumps({"rank": 1, "time": 1.0, "message": "RuntimeError: boom"}))
-    # torchrun saw rank 0's connection error first; rank 1's own error is the cause
+    # torchrun saw rank 0's lost-peer error first; rank 1's own error is the cause
     assert _root_error(tmp_path, _torchrun_root_cause(0, 1)) == "rank 1: RuntimeError: boom"
-    (tmp_path / "rank0.json").unlink()
     (tmp_path / "rank1.json").unlink()
-    assert _root_error(tmp_path, _torchrun_root_cause(1, -9)) == "rank 1 was killed by SIGKILL"
+    # rank 1 was killed (no error of its own): rank 0's lost peer is only the symptom
+    log = _torchrun_root_cause(0, 1) + _torchrun_root_cause(1, -9)
+    assert _root_error(tmp_path, log) == "rank 1 was killed by SIGKILL"
+    (tmp_path / "rank0.json").unlink()
+    assert _root_error(tmp_path, _torchrun_root_cause(1, 3)) == "rank 1 exited with code 3"
     assert _root_error(tmp_path, "") is None
