@@ -109,6 +109,9 @@ def launch(report: PlanReport, overrides: list[str], job_args: list[str]) -> Non
     cmd = torchrun_command(report, [*plan_args(report, overrides), "--error-dir", str(run_dir), *job_args])
     env = dict(os.environ, LOGLEVEL=os.environ.get("LOGLEVEL", "ERROR"), PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
+    # started in the background (nohup, `&`) SIGINT arrives ignored, and torchrun would inherit that: `kill -INT`
+    # must still stop every rank, as it stops a one-rank server
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     with log.open("wb") as log_file:
         proc = subprocess.Popen(cmd, env=env, stderr=log_file)
         # SIGTERM to this process alone must still stop torchrun and its ranks (Ctrl-C reaches them anyway)
@@ -124,6 +127,7 @@ def launch(report: PlanReport, overrides: list[str], job_args: list[str]) -> Non
             raise
         finally:
             signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGINT, previous_int)
     if code == 0:
         shutil.rmtree(run_dir, ignore_errors=True)
         return
