@@ -30,22 +30,25 @@ class RotaryEmbedding:
             inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
         # fp32 throughout, as HF computes it, so positions far out round the same way
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
-        self.cos = (freqs.cos() * scale).to(device)
-        self.sin = (freqs.sin() * scale).to(device)
+        cos, sin = freqs.cos() * scale, freqs.sin() * scale
+        # Full-width tables so that apply() is x * cos + partner(x) * sin: the sign of each pair's
+        # rotation is folded into `sin` (HF's rotate_half negates the partner instead; same bits)
+        if interleaved:
+            cos, sin = cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
+        else:
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        self.cos, self.sin = cos.to(device), sin.to(device)
         self.interleaved = interleaved
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [tokens, 1, rotary_dim / 2] (broadcast over heads)."""
+        """cos, signed sin of shape [tokens, 1, rotary_dim] (broadcast over heads), once per step."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x of shape [tokens, heads, rotary_dim]."""
+        """Rotate x of shape [tokens, heads, rotary_dim] in fp32."""
         xf = x.float()
-        if self.interleaved:
-            even, odd = xf[..., 0::2], xf[..., 1::2]
-            out = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
-        else:
-            half = xf.shape[-1] // 2
-            x1, x2 = xf[..., :half], xf[..., half:]
-            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype)
+        if self.interleaved:  # each adjacent pair (even, odd) rotates together
+            partner = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        else:  # dim i rotates with dim i + rotary_dim / 2
+            partner = xf.roll(xf.shape[-1] // 2, dims=-1)
+        return (xf * cos + partner * sin).to(x.dtype)

@@ -1,0 +1,53 @@
+"""Layer pieces against HF's own functions: rotary embeddings and the KV cache allocation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_emb
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from engine.attention import kv_cache
+from engine.layers.rotary import RotaryEmbedding
+
+HEAD_DIM = 64
+
+
+def _config() -> LlamaConfig:
+    return LlamaConfig(hidden_size=4 * HEAD_DIM, num_attention_heads=4, max_position_embeddings=4096)
+
+
+def test_neox_rope_is_bitwise_hf():
+    cfg = _config()
+    positions = torch.tensor([0, 1, 7, 100, 2047, 4095])
+    x = torch.randn(len(positions), 3, HEAD_DIM, generator=torch.Generator().manual_seed(0))
+    rope = RotaryEmbedding(cfg, HEAD_DIM, 4096, interleaved=False, device=torch.device("cpu"))
+    ours = rope.apply(x, *rope.lookup(positions))
+    cos, sin = LlamaRotaryEmbedding(cfg)(x, positions[None])
+    theirs, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos, sin)
+    assert torch.equal(ours, theirs[0].transpose(0, 1))
+
+
+def test_interleaved_rope_matches_hf_deepseek():
+    cfg = _config()
+    positions = torch.tensor([0, 3, 511, 4095])
+    x = torch.randn(len(positions), 2, HEAD_DIM, generator=torch.Generator().manual_seed(1))
+    rope = RotaryEmbedding(cfg, HEAD_DIM, 4096, interleaved=True, device=torch.device("cpu"))
+    ours = rope.apply(x, *rope.lookup(positions))
+    inv_freq = 1.0 / (cfg.rope_parameters["rope_theta"] ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    freqs_cis = torch.polar(torch.ones(len(positions), HEAD_DIM // 2), torch.outer(positions.float(), inv_freq))
+    theirs, _ = apply_rotary_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], freqs_cis[None])
+    torch.testing.assert_close(ours, theirs[0].transpose(0, 1), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_cache_is_zero_and_writable(dtype):
+    storage, views = kv_cache.allocate(3, 5, 16, 2, 8, False, dtype, torch.device("cpu"), head_major=True)
+    assert storage.shape == (3, 2, 5, 2, 16, 8) and storage.dtype == dtype
+    assert not storage.any()
+    keys, values = views[1]
+    keys[4, 15, 1] = 1.0
+    values[0, 0, 0] = 2.0
+    assert storage.sum().item() == 8 * 1.0 + 8 * 2.0
+    assert storage[1, 0, 4, 1, 15].eq(1.0).all() and storage[1, 1, 0, 0, 0].eq(2.0).all()
