@@ -2,7 +2,9 @@
 
 SmolLM2-135M-Instruct, 128-token prompts, 128 forced new tokens (EOS ignored), batch 1 and 16,
 float32 and bfloat16. Prints a markdown table of generated tokens/s and the engine/HF ratio, plus
-the weight-read bound (weights bytes / measured copy bandwidth) for batch 1.
+the weight-read bound (weights bytes / measured copy bandwidth) for batch 1. HF runs in the same
+process after the engine started, so it gets the engine's glibc allocator settings too
+(engine/host_allocator.py): the ratio measures the model code, not the allocator.
 
     python benchmarks/decode_throughput.py [--batches 1 16] [--dtypes float32 bfloat16] [--repeats 2]
 """

@@ -21,6 +21,7 @@ from engine.block_manager import BlockManager
 from engine.detokenizer import Detokenizer
 from engine.distributed import ParallelContext, broadcast_object, init_parallel, init_single
 from engine.errors import UserError
+from engine.host_allocator import reuse_freed_memory
 from engine.io_utils import atomic_write_text
 from engine.kv_sizing import kv_sizing, parse_memory
 from engine.model_info import dtype_bytes
@@ -123,6 +124,8 @@ def start_rank(report: PlanReport) -> tuple[EngineConfig, ParallelContext, Model
     else:
         par = init_parallel(layout, config.device, config.dist_backend)
     _set_threads(config, par)
+    if device.type == "cpu":
+        reuse_freed_memory()
     checkpoint_files(config.model_path)  # a clear error for a folder without weights, before any work
     try:
         hf_config = AutoConfig.from_pretrained(config.model_path)
