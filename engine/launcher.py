@@ -79,17 +79,18 @@ def _root_error(error_dir: Path, log_text: str) -> str | None:
         errors[record["rank"]] = record
     own = [e for e in errors.values() if not any(s in e["message"] for s in _PEER_LOST)]
     if own:
-        first = min(own, key=lambda e: e["time"])
-        return f"rank {first['rank']}: {first['message']}"
+        return _earliest(own)
     for rank, code in ((int(r), int(c)) for r, c in _FAILURE.findall(log_text)):
         if rank not in errors:
             return f"rank {rank} " + (
                 f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
             )
-    if errors:
-        first = min(errors.values(), key=lambda e: e["time"])
-        return f"rank {first['rank']}: {first['message']}"
-    return None
+    return _earliest(list(errors.values())) if errors else None
+
+
+def _earliest(records: list[dict]) -> str:
+    first = min(records, key=lambda e: e["time"])
+    return f"rank {first['rank']}: {first['message']}"
 
 
 def plan_args(report: PlanReport, overrides: list[str]) -> list[str]:
