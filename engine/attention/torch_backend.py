@@ -101,11 +101,8 @@ class TorchBackend(AttentionBackend):
         rows, slots = metadata.extra["write_rows"], metadata.extra["write_slots"]
         if slots.numel() == 0:
             return
-        where = metadata.extra.get("write_where")
-        if where is None:  # the first layer of the step works it out for all (they share the block size)
-            block_size = key_cache.shape[1]
-            where = metadata.extra["write_where"] = (slots // block_size, slots % block_size)
-        blocks, offsets = where
+        block_size = key_cache.shape[1]
+        blocks, offsets = slots // block_size, slots % block_size
         for new, cache in ((key, key_cache), (value, value_cache)):
             if cache is not None:
                 _physical(cache)[blocks, :, offsets] = new if rows is None else new.index_select(0, rows)
@@ -129,10 +126,7 @@ class TorchBackend(AttentionBackend):
     def paged(self, q, key_cache, value_cache, value_dim, kv: PagedKV, scale):
         tables, valid = kv.extra["tables"], kv.extra["valid"]
         seqs, heads = tables.shape[0], key_cache.shape[2]
-        index = kv.extra.get(("gather_index", heads))
-        if index is None:  # once per step: every layer with this many KV heads gathers the same rows
-            index = (tables.unsqueeze(1) * heads + torch.arange(heads, device=tables.device).view(1, -1, 1)).reshape(-1)
-            kv.extra[("gather_index", heads)] = index
+        index = (tables.unsqueeze(1) * heads + torch.arange(heads, device=tables.device).view(1, -1, 1)).reshape(-1)
 
         def gather(cache: torch.Tensor) -> torch.Tensor:  # [S, Hkv, tokens, D], contiguous
             flat = _physical(cache).reshape(-1, cache.shape[1], cache.shape[3])
