@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
 from rich.console import Console
 
 from engine.checkpoints.aliases import resolve_model_path
 from evals.compare import compare_runs
-from evals.lm_eval_runner import eval_run_from_lm_eval
+from evals.lm_eval_runner import eval_run_from_lm_eval, evaluate_lm
 from evals.report import render_table, write_report
 from evals.results import EvalRun
 from evals.tasks import gsm8k_task
@@ -31,26 +30,20 @@ from evals.tasks import gsm8k_task
 
 def run_hf(model_path: Path, data_dir: Path, limit: int, num_fewshot: int, batch_size: int, dtype: str) -> EvalRun:
     """gsm8k through lm-eval's `hf` model on the CPU; wall time counts the evaluation, not the model load."""
-    from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
     with tempfile.TemporaryDirectory(prefix="dcpctl-hf-eval-") as work:
         task = gsm8k_task(data_dir, Path(work))
         lm = HFLM(pretrained=str(model_path), dtype=dtype, batch_size=batch_size, device="cpu")
-        t0 = time.perf_counter()
-        output = simple_evaluate(
-            model=lm,
-            tasks=[task.name],
-            task_manager=task.task_manager(),
-            num_fewshot=num_fewshot,
-            limit=limit,
-            log_samples=True,
-        )
-        wall_s = time.perf_counter() - t0
+        output, wall_s = evaluate_lm(lm, task, limit=limit, num_fewshot=num_fewshot)
     return eval_run_from_lm_eval(
-        output, task.name, label=f"hf-transformers (lm-eval hf, batch {batch_size})", dataset=task.display_name,
-        wall_s=wall_s, model=str(model_path),
-    )  # fmt: skip
+        output,
+        task.name,
+        label=f"hf-transformers (lm-eval hf, batch {batch_size})",
+        dataset=task.display_name,
+        wall_s=wall_s,
+        model=str(model_path),
+    )
 
 
 def main() -> None:

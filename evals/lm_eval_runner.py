@@ -174,29 +174,15 @@ def run_gsm8k(
         seed=seed,
     )
 
-    from lm_eval import simple_evaluate
-
     try:
-        task_manager = task.task_manager()
-    except Exception as exc:  # lm-eval raises plain exceptions for a bad YAML
-        raise UserError(f"lm-eval could not index task folder {task.include_path}: {exc}") from None
-    if task.name not in task_manager.all_tasks:
-        raise UserError(
-            f"lm-eval finds no task {task.name!r} under {task.include_path}; build the spec with evals.tasks.gsm8k_task"
-        )
-
-    t0 = time.perf_counter()
-    try:
-        output = simple_evaluate(
-            model=lm,
-            tasks=[task.name],
-            task_manager=task_manager,
-            num_fewshot=num_fewshot,
+        output, wall_s = evaluate_lm(
+            lm,
+            task,
             limit=limit,
-            samples={task.name: list(doc_ids)} if doc_ids is not None else None,
-            log_samples=True,
+            doc_ids=doc_ids,
+            num_fewshot=num_fewshot,
             apply_chat_template=apply_chat_template,
-            fewshot_as_multiturn=fewshot_as_multiturn if apply_chat_template else False,
+            fewshot_as_multiturn=fewshot_as_multiturn,
             system_instruction=system_instruction,
         )
     except Exception as exc:
@@ -205,9 +191,6 @@ def run_gsm8k(
                 f"lm-eval's requests to {endpoint} failed ({type(exc).__name__}: {exc}); check the server log"
             ) from exc
         raise
-    wall_s = time.perf_counter() - t0
-    if output is None:
-        raise RuntimeError("lm-eval returned no results (not rank 0?)")
     if output_dir is not None:
         write_lm_eval_output(output, Path(output_dir))
     return eval_run_from_lm_eval(
@@ -223,6 +206,47 @@ def run_gsm8k(
         base_url=root,
         model=model_name,
     )
+
+
+def evaluate_lm(
+    lm: Any,
+    task: TaskSpec,
+    *,
+    limit: int | float | None = None,
+    doc_ids: list[int] | None = None,
+    num_fewshot: int | None = 5,
+    apply_chat_template: bool = False,
+    fewshot_as_multiturn: bool = True,
+    system_instruction: str | None = None,
+) -> tuple[dict[str, Any], float]:
+    """lm-eval's simple_evaluate of `task` on any lm-eval model, with per-sample logs; returns (output, wall s)."""
+    from lm_eval import simple_evaluate
+
+    try:
+        task_manager = task.task_manager()
+    except Exception as exc:  # lm-eval raises plain exceptions for a bad YAML
+        raise UserError(f"lm-eval could not index task folder {task.include_path}: {exc}") from None
+    if task.name not in task_manager.all_tasks:
+        raise UserError(
+            f"lm-eval finds no task {task.name!r} under {task.include_path}; build the spec with evals.tasks.gsm8k_task"
+        )
+    t0 = time.perf_counter()
+    output = simple_evaluate(
+        model=lm,
+        tasks=[task.name],
+        task_manager=task_manager,
+        num_fewshot=num_fewshot,
+        limit=limit,
+        samples={task.name: list(doc_ids)} if doc_ids is not None else None,
+        log_samples=True,
+        apply_chat_template=apply_chat_template,
+        fewshot_as_multiturn=fewshot_as_multiturn if apply_chat_template else False,
+        system_instruction=system_instruction,
+    )
+    wall_s = time.perf_counter() - t0
+    if output is None:
+        raise RuntimeError("lm-eval returned no results (not rank 0?)")
+    return output, wall_s
 
 
 def _is_request_error(exc: BaseException) -> bool:
