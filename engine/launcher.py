@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -16,12 +17,35 @@ from pathlib import Path
 from engine.errors import UserError
 from engine.plan.checks import PlanReport
 
+_LOWEST_PICKED_PORT = 10000
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the kernel hands to outgoing connections (Linux's default where /proc does not say)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A TCP port nobody listens on right now, below the ephemeral range when there is room.
+
+    A server binds the port seconds after it is picked; an ephemeral port could meanwhile become the local end of
+    an outgoing connection (gloo's, torchrun's, an HTTP client's) and the bind would fail.
+    """
+    low, _ = ephemeral_port_range()
+    ports = list(range(_LOWEST_PICKED_PORT, low))
+    random.shuffle(ports)
+    for port in [*ports[:64], 0]:  # 0: the kernel's pick, when nothing below the range is free
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise UserError(f"no free TCP port on {host}")
 
 
 def ensure_port_free(host: str, port: int, what: str) -> None:

@@ -152,3 +152,15 @@ def test_root_error_prefers_the_earliest_error_a_rank_wrote(tmp_path):
     (tmp_path / "rank0.json").unlink()
     assert _root_error(tmp_path, _torchrun_root_cause(1, 3)) == "rank 1 exited with code 3"
     assert _root_error(tmp_path, "") is None
+
+
+def test_free_port_is_bindable_and_outside_the_ephemeral_range():
+    """Outgoing connections (gloo, torchrun, clients) cannot take the picked port before the server binds it."""
+    from engine.launcher import ephemeral_port_range, free_port
+
+    low, high = ephemeral_port_range()
+    for _ in range(20):
+        port = free_port()
+        assert not low <= port <= high
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", port))
