@@ -104,7 +104,9 @@ def _root_error(error_dir: Path, log_text: str) -> str | None:
     own = [e for e in errors.values() if not any(s in e["message"] for s in _PEER_LOST)]
     if own:
         return _earliest(own)
-    for rank, code in ((int(r), int(c)) for r, c in _FAILURE.findall(log_text)):
+    # torchrun lists the other failures (e.g. the ranks it then stopped with SIGTERM) before its root cause
+    others, _, root_cause = log_text.rpartition("Root Cause")
+    for rank, code in ((int(r), int(c)) for r, c in _FAILURE.findall(root_cause) + _FAILURE.findall(others)):
         if rank not in errors:
             return f"rank {rank} " + (
                 f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"

@@ -132,8 +132,12 @@ def test_busy_master_port_is_a_clear_error(tmp_path, tiny_models):
     assert f"error: launch.master_port={port} on 127.0.0.1 is already in use" in err
 
 
+def _torchrun_failure(rank: int, exitcode: int) -> str:
+    return f"[1]:\n  rank      : {rank} (local_rank: {rank})\n  exitcode  : {exitcode} (pid: 7)\n"
+
+
 def _torchrun_root_cause(rank: int, exitcode: int) -> str:
-    return f"Root Cause (first observed failure):\n[0]:\n  rank      : {rank}\n  exitcode  : {exitcode}\n"
+    return "Root Cause (first observed failure):\n" + _torchrun_failure(rank, exitcode)
 
 
 def test_root_error_prefers_the_earliest_error_a_rank_wrote(tmp_path):
@@ -150,6 +154,9 @@ def test_root_error_prefers_the_earliest_error_a_rank_wrote(tmp_path):
     log = _torchrun_root_cause(0, 1) + _torchrun_root_cause(1, -9)
     assert _root_error(tmp_path, log) == "rank 1 was killed by SIGKILL"
     (tmp_path / "rank0.json").unlink()
+    # neither wrote an error: torchrun lists the rank it stopped (SIGTERM) first, then the root cause
+    log = "Failures:\n" + _torchrun_failure(0, -15) + _torchrun_root_cause(1, -9)
+    assert _root_error(tmp_path, log) == "rank 1 was killed by SIGKILL"
     assert _root_error(tmp_path, _torchrun_root_cause(1, 3)) == "rank 1 exited with code 3"
     assert _root_error(tmp_path, "") is None
 
