@@ -1,4 +1,4 @@
-"""Layer pieces against HF's own functions: rotary embeddings and the KV cache allocation."""
+"""Layer pieces against HF's (or torch's) own functions: rotary embeddings, packed matmuls, the KV cache."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_em
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from engine.attention import kv_cache
+from engine.layers.cpu_gemm import can_pack, pack_weight, packed_linear, packing_available
 from engine.layers.rotary import RotaryEmbedding
 
 HEAD_DIM = 64
@@ -51,3 +52,20 @@ def test_cpu_cache_is_zero_and_writable(dtype):
     values[0, 0, 0] = 2.0
     assert storage.sum().item() == 8 * 1.0 + 8 * 2.0
     assert storage[1, 0, 4, 1, 15].eq(1.0).all() and storage[1, 1, 0, 0, 0].eq(2.0).all()
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN packed linear")
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("rows", [1, 17])
+def test_packed_linear_matches_f_linear(dtype, atol, rows):
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 40, generator=g).to(dtype), torch.randn(96, generator=g).to(dtype)
+    x = torch.randn(rows, 40, generator=g).to(dtype)
+    assert can_pack(weight)
+    out = packed_linear(x, pack_weight(weight), bias)
+    assert out.dtype == dtype and out.shape == (rows, 96)
+    torch.testing.assert_close(out.float(), torch.nn.functional.linear(x, weight, bias).float(), atol=atol, rtol=1e-2)
+
+
+def test_half_weights_are_not_packed():
+    assert not can_pack(torch.ones(4, 4, dtype=torch.float16))

@@ -22,12 +22,25 @@ def packing_available() -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        w = torch.ones(4, 4)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT)
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 4), packed, None, "none", [], "")
+        out = packed_linear(torch.ones(2, 4), pack_weight(torch.ones(4, 4)))
     except (RuntimeError, AttributeError):
         return False
     return bool(torch.equal(out, torch.full((2, 4), 4.0)))
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """True for the weights oneDNN packing serves: CPU fp32/bf16 with the ops available."""
+    return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and packing_available()
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of a [out, in] weight reordered for oneDNN (see `can_pack`)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) for a 2-D x against a weight from `pack_weight`."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
 class PackableLinear(nn.Module):
@@ -38,13 +51,12 @@ class PackableLinear(nn.Module):
 
     def pack(self) -> None:
         """Reorder the weight for oneDNN (CPU fp32/bf16 only; elsewhere a no-op)."""
-        w = self.weight
-        if w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) and packing_available():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _BATCH_HINT)
+        if can_pack(self.weight):
+            self.packed = pack_weight(self.weight)
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is not None and x.dim() == 2 and x.dtype == self.weight.dtype:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
+            return packed_linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)
 
 
