@@ -7,6 +7,11 @@ process after the engine started, so it gets the engine's glibc allocator settin
 (engine/host_allocator.py): the ratio measures the model code, not the allocator.
 
     python benchmarks/decode_throughput.py [--batches 1 16] [--dtypes float32 bfloat16] [--repeats 2]
+        [--backend auto]
+
+The engine runs the plan's `attention.backend` (auto: the `cpu` backend on CPU). For the engine
+without its own CPU kernels (torch's kernels throughout, as before they existed), run with
+`DCPCTL_CPU_KERNELS=0 ... --backend torch`.
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int
     return [torch.randint(100, vocab - 1, (length,), generator=g).tolist() for _ in range(batch)]
 
 
-def bench_engine(folder: Path, dtype: str, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> float:
+def bench_engine(
+    folder: Path, dtype: str, batch: int, prompt_len: int, new_tokens: int, repeats: int, backend: str
+) -> float:
     from engine import LLM, SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -48,7 +55,7 @@ def bench_engine(folder: Path, dtype: str, batch: int, prompt_len: int, new_toke
                 {
                     "model": {"path": str(folder), "dtype": dtype, "max_model_len": 1024},
                     "cache": {"block_size": 16, "memory": "512MiB", "prefix_caching": False},
-                    "attention": {"backend": "torch"},
+                    "attention": {"backend": backend},
                     "launch": {"device": "cpu"},
                     "scheduler": {"max_num_seqs": max(batch, 1), "max_num_batched_tokens": 4096},
                 }
@@ -98,6 +105,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--backend", default="auto", help="the engine's attention.backend")
     args = parser.parse_args()
 
     from engine.checkpoints.aliases import is_alias
@@ -114,7 +122,7 @@ def main() -> None:
         scale = 1.0 if dtype == "float32" else 0.5
         bound = bandwidth / (weights_gb * scale)
         for batch in args.batches:
-            ours = bench_engine(folder, dtype, batch, args.prompt_len, args.new_tokens, args.repeats)
+            ours = bench_engine(folder, dtype, batch, args.prompt_len, args.new_tokens, args.repeats, args.backend)
             theirs = bench_hf(folder, dtype, batch, args.prompt_len, args.new_tokens, args.repeats)
             vs_bound = f"{ours / bound:.2f}" if batch == 1 else "-"
             print(

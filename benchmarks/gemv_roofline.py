@@ -3,12 +3,12 @@
 At batch 1 every decode step reads every weight once, so no engine can beat (weight bytes / read
 bandwidth); the matmul kernels set a lower ceiling of their own. This runs the model's linear
 layers (the shapes of a Llama-family config: qkv, o, gate_up, down per layer, then the LM head)
-back to back on one row, once through plain `F.linear` and once through the engine's oneDNN
-packed path (engine/layers/cpu_gemm.py), with random weights of the model's dtype. It prints the
-read bandwidth, each chain's matmul time and effective GB/s, and the tokens/s each allows with
-nothing else in the step. With a gap, each matmul follows that much single-threaded work, as in a
-real step; the matmuls alone are still timed. Compare with `decode_throughput.py` for what the
-whole engine reaches.
+back to back on one row, through plain `F.linear`, oneDNN's packed path and the engine's own GEMV
+(engine/layers/cpu_gemm.py, cpu_kernels.py; the engine takes the GEMV at 1-2 rows), with random
+weights of the model's dtype. It prints the read bandwidth, each chain's matmul time and effective
+GB/s, and the tokens/s the engine's GEMV allows with nothing else in the step. With a gap, each
+matmul follows that much single-threaded work, as in a real step; the matmuls alone are still
+timed. Compare with `decode_throughput.py` for what the whole engine reaches.
 
     python benchmarks/gemv_roofline.py [--model smollm2-135m-instruct] [--dtypes float32 bfloat16]
         [--gaps-us 0 300] [--repeats 10]
@@ -24,6 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.cpu_gemm import pack_weight, packed_linear
+from engine.layers.cpu_kernels import cpu_kernels_available, gemv
+
+KERNELS = ("F.linear", "packed", "gemv")
 
 
 def read_bandwidth_gbs(size_mb: int = 512, repeats: int = 5) -> float:
@@ -55,9 +58,7 @@ def linear_shapes(folder: Path) -> list[tuple[int, int]]:
     return layer * cfg.num_hidden_layers + [(cfg.vocab_size, hidden)]
 
 
-def chain_seconds(
-    shapes: list[tuple[int, int]], dtype: torch.dtype, packed: bool, gap_us: float, repeats: int
-) -> float:
+def chain_seconds(shapes: list[tuple[int, int]], dtype: torch.dtype, kernel: str, gap_us: float, repeats: int) -> float:
     """Best summed matmul time of one pass over all the matmuls at batch 1 (weights too big to stay in cache).
 
     `gap_us` > 0 runs that long of small single-threaded tensor work before each matmul (as the
@@ -66,20 +67,22 @@ def chain_seconds(
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(out, inp, generator=g).to(dtype) for out, inp in shapes]
     inputs = {inp: torch.randn(1, inp, generator=g).to(dtype) for _, inp in shapes}
-    packs = [pack_weight(w) for w in weights] if packed else [None] * len(weights)
+    if kernel == "packed":
+        packs = [pack_weight(w) for w in weights]
+        steps = [(lambda x, p=p: packed_linear(x, p)) for p in packs]
+    else:
+        matmul = F.linear if kernel == "F.linear" else gemv
+        steps = [(lambda x, w=w: matmul(x, w)) for w in weights]
     scratch = torch.zeros(1, 64)
 
     def chain() -> float:
         total = 0.0
-        for w, p in zip(weights, packs, strict=True):
+        for w, step in zip(weights, steps, strict=True):
             if gap_us:
                 _busy(scratch, gap_us)
             x = inputs[w.shape[1]]
             start = time.perf_counter()
-            if p is None:
-                F.linear(x, w)
-            else:
-                packed_linear(x, p)
+            step(x)
             total += time.perf_counter() - start
         return total
 
@@ -102,6 +105,8 @@ def main() -> None:
         "--gaps-us", type=float, nargs="+", default=[0.0, 300.0], help="single-threaded work before each matmul"
     )
     args = parser.parse_args()
+    if not cpu_kernels_available():
+        raise SystemExit("error: the engine's CPU kernels did not build here (see the warning above)")
 
     from engine.checkpoints.aliases import is_alias
     from engine.checkpoints.pull import pull_model
@@ -110,8 +115,8 @@ def main() -> None:
     shapes = linear_shapes(folder)
     bandwidth = read_bandwidth_gbs()
     print(f"threads {torch.get_num_threads()}, read bandwidth {bandwidth:.1f} GB/s, {len(shapes)} matmuls per step")
-    columns = ["dtype", "weights MB", "read-bound tok/s", "gap us", "F.linear ms (GB/s)", "packed ms (GB/s)"]
-    columns.append("packed ceiling tok/s")
+    columns = ["dtype", "weights MB", "read-bound tok/s", "gap us", *(f"{k} ms (GB/s)" for k in KERNELS)]
+    columns.append("gemv ceiling tok/s")
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
     with torch.inference_mode():
@@ -119,12 +124,11 @@ def main() -> None:
             dtype = getattr(torch, name)
             nbytes = sum(out * inp for out, inp in shapes) * dtype.itemsize
             for gap in args.gaps_us:
-                plain = chain_seconds(shapes, dtype, packed=False, gap_us=gap, repeats=args.repeats)
-                packed = chain_seconds(shapes, dtype, packed=True, gap_us=gap, repeats=args.repeats)
+                times = [chain_seconds(shapes, dtype, kernel, gap, args.repeats) for kernel in KERNELS]
+                cells = " | ".join(f"{t * 1e3:.1f} ({nbytes / t / 1e9:.1f})" for t in times)
                 print(
-                    f"| {name} | {nbytes / 1e6:.0f} | {bandwidth * 1e9 / nbytes:.1f} | {gap:.0f} "
-                    f"| {plain * 1e3:.1f} ({nbytes / plain / 1e9:.1f}) "
-                    f"| {packed * 1e3:.1f} ({nbytes / packed / 1e9:.1f}) | {1 / packed:.1f} |",
+                    f"| {name} | {nbytes / 1e6:.0f} | {bandwidth * 1e9 / nbytes:.1f} | {gap:.0f} | {cells} "
+                    f"| {1 / times[-1]:.1f} |",
                     flush=True,
                 )
 

@@ -58,6 +58,19 @@ CASES = {
         },
     ),
     "gqa1-tp2-dcp2-i1": (KV1, {"parallel.tp": 2, "parallel.dcp": 2}),
+    "mla-tp2-dcp2-i2-b16-cpu-backend": (
+        MLA,
+        {"parallel.tp": 2, "parallel.dcp": 2, "parallel.interleave": 2, "attention.backend": "cpu"},
+    ),
+    "gqa2-tp1-dcp2-i4-chunked-replica-cpu-backend": (
+        KV2,
+        {
+            "parallel.dcp": 2,
+            "parallel.interleave": 4,
+            "scheduler.max_num_batched_tokens": 24,
+            "attention.backend": "cpu",
+        },
+    ),
     "gqa2-tp1-dcp2-i4-chunked-replica": (
         KV2,
         {"parallel.dcp": 2, "parallel.interleave": 4, "scheduler.max_num_batched_tokens": 24},

@@ -30,12 +30,13 @@ def greedy(n=NEW_TOKENS, **kw):
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1, **kw)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize(("arch", "sizes"), ARCHS, ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v)))
-def test_greedy_matches_hf(tmp_path, tiny_models, arch, sizes, block_size):
+def test_greedy_matches_hf(tmp_path, tiny_models, arch, sizes, block_size, backend):
     folder = tiny_models(arch, **sizes)
     prompts = prompt_ids(len(LENGTHS), LENGTHS)
-    with LLM(write_plan(tmp_path, folder, {"cache.block_size": block_size})) as llm:
+    with LLM(write_plan(tmp_path, folder, {"cache.block_size": block_size, "attention.backend": backend})) as llm:
         outputs = llm.generate(prompts, greedy())
     check_against_hf(folder, prompts, outputs)
 

@@ -21,7 +21,7 @@ def test_valid_plan_resolves_settings(make_plan, llama_folder):
         "launch: {device: cpu}\ncache: {memory: 1MiB}\n",
     )
     assert report.valid, messages(report)
-    assert (report.device, report.dtype, report.cache_dtype, report.backend) == ("cpu", "float32", "float32", "torch")
+    assert (report.device, report.dtype, report.cache_dtype, report.backend) == ("cpu", "float32", "float32", "cpu")
     assert report.world_size == 4  # 2 KV heads over tp 2: R = 1, so dcp 2 adds a replica
     assert report.layout.kind == "replica"
     # 2 layers x 2 (K,V) x 1 KV head x 8 dims x 4 bytes = 128 bytes/token/rank; 1 MiB / (16 x 128) = 512 blocks
@@ -146,9 +146,14 @@ def test_flash_attn_on_cpu_is_an_error(make_plan, llama_folder):
     report = check(
         make_plan, f"model: {{path: {llama_folder}}}\nattention: {{backend: flash_attn}}\nlaunch: {{device: cpu}}\n"
     )
-    assert messages(report) == [
-        "attention.backend=flash_attn needs CUDA (launch.device=cuda); use torch or triton on CPU"
-    ]
+    assert messages(report) == ["attention.backend=flash_attn needs CUDA (launch.device=cuda); use cpu or torch on CPU"]
+
+
+def test_cpu_backend_on_cuda_is_an_error(make_plan, llama_folder):
+    report = check(
+        make_plan, f"model: {{path: {llama_folder}}}\nattention: {{backend: cpu}}\nlaunch: {{device: cuda}}\n"
+    )
+    assert "attention.backend=cpu runs on CPU only; use torch, triton or flash_attn on CUDA" in messages(report)
 
 
 def test_many_cpu_ranks_warn(make_plan, tmp_path):

@@ -36,9 +36,10 @@ def assert_matches_hf(folder, prompt_ids, token_ids, logprobs):
     assert max(abs(a - b) for a, b in zip(logprobs, ref, strict=True)) < LOGPROB_TOL
 
 
-@pytest.mark.parametrize("block_size", [16, 64])
-def test_single_rank_matches_hf(tmp_path, smollm2, block_size):
-    plan = write_plan(tmp_path, smollm2, {"cache.block_size": block_size, "cache.memory": "64MiB"})
+@pytest.mark.parametrize(("block_size", "backend"), [(16, "torch"), (64, "torch"), (16, "cpu")])
+def test_single_rank_matches_hf(tmp_path, smollm2, block_size, backend):
+    settings = {"cache.block_size": block_size, "cache.memory": "64MiB", "attention.backend": backend}
+    plan = write_plan(tmp_path, smollm2, settings)
     with LLM(plan) as llm:
         outputs = llm.generate(
             PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)

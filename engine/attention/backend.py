@@ -64,6 +64,12 @@ def _torch_backend() -> AttentionBackend:
     return TorchBackend()
 
 
+def _cpu_backend() -> AttentionBackend:
+    from engine.attention.cpu_backend import CpuBackend
+
+    return CpuBackend()
+
+
 def _triton_backend() -> AttentionBackend:
     from engine.attention.triton_backend import TritonBackend
 
@@ -76,7 +82,7 @@ def _flash_backend() -> AttentionBackend:
     return FlashAttnBackend()
 
 
-BACKENDS = {"torch": _torch_backend, "triton": _triton_backend, "flash_attn": _flash_backend}
+BACKENDS = {"torch": _torch_backend, "cpu": _cpu_backend, "triton": _triton_backend, "flash_attn": _flash_backend}
 
 
 def create_backend(name: str) -> AttentionBackend:

@@ -1,8 +1,9 @@
-"""Matmuls against weights pre-packed for oneDNN on CPU.
+"""CPU matmuls: the engine's GEMV for one or two rows, oneDNN with pre-packed weights for more.
 
 On the CPUs we run on (AMD Zen 4 here), oneDNN with a weight reordered once at load time is
-1.5-2x faster than the default BLAS path for both fp32 and bf16, at decode and prefill sizes
-(benchmarks/RESULTS.md). The layers keep their plain weights for loading and for views (MLA).
+1.5-2x faster than the default BLAS path for both fp32 and bf16, at decode and prefill sizes; at
+batch 1 and 2 the engine's row-streaming GEMV (cpu_kernels) reads the weights faster still
+(benchmarks/RESULTS.md). The layers keep their plain weights for the GEMV, for loading and for views (MLA).
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.cpu_kernels import cpu_kernels_available, gemv
+
 _BATCH_HINT = 16  # the reorder picks a blocking for this many rows; any row count works
+GEMV_MAX_ROWS = 2  # above this many rows oneDNN's packed GEMM is faster (benchmarks/gemv_roofline.py)
 
 
 @functools.cache
@@ -48,14 +52,19 @@ class PackableLinear(nn.Module):
 
     weight: nn.Parameter
     packed: torch.Tensor | None = None
+    gemv_rows: int = 0  # inputs of up to this many rows take the engine's GEMV
 
     def pack(self) -> None:
-        """Reorder the weight for oneDNN (CPU fp32/bf16 only; elsewhere a no-op)."""
+        """Reorder the weight for oneDNN and enable the GEMV (CPU fp32/bf16 only; elsewhere a no-op)."""
         if can_pack(self.weight):
             self.packed = pack_weight(self.weight)
+            if self.weight.is_contiguous() and cpu_kernels_available():
+                self.gemv_rows = GEMV_MAX_ROWS
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is not None and x.dim() == 2 and x.dtype == self.weight.dtype:
+            if x.shape[0] <= self.gemv_rows:
+                return gemv(x, self.weight, bias)
             return packed_linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.cpu_kernels import KERNEL_DTYPES, cpu_kernels_available
 from engine.layers.linear import attach_loader, full_loader
 
 
@@ -18,6 +19,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with `residual`: (norm(x + residual), x + residual)."""
+        if x.is_cpu and x.dtype in KERNEL_DTYPES and x.dtype == self.weight.dtype and cpu_kernels_available():
+            out, summed = torch.ops.dcpctl.rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, summed)
         if residual is None:
             return F.rms_norm(x, self.shape, self.weight, self.eps)
         x = x + residual

@@ -6,6 +6,7 @@ import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.errors import UserError
+from engine.layers.cpu_kernels import KERNEL_DTYPES, cpu_kernels_available
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -45,7 +46,13 @@ class RotaryEmbedding:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x of shape [tokens, heads, rotary_dim] in fp32."""
+        """Rotate x of shape [tokens, heads, rotary_dim] in fp32 (the CPU kernel gives the same bits)."""
+        if x.is_cpu and x.dtype in KERNEL_DTYPES and x.stride(-1) == 1 and cpu_kernels_available():
+            return torch.ops.dcpctl.rotary(x, cos, sin, self.interleaved)
+        return self.apply_torch(x, cos, sin)
+
+    def apply_torch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`apply` in torch ops (CUDA, and CPU without the engine's kernels)."""
         xf = x.float()
         if self.interleaved:  # each adjacent pair (even, odd) rotates together
             partner = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)

@@ -176,7 +176,7 @@ def _resolve_backend(report: PlanReport, plan: Plan) -> None:
     has_flash = importlib.util.find_spec("flash_attn") is not None
     if requested == "auto":
         if report.device != "cuda":
-            report.backend = "torch"
+            report.backend = "cpu"
         else:
             usable = has_flash and not is_mla and not _flash_attn_limits(report, plan)
             report.backend = "flash_attn" if usable else "triton"
@@ -186,7 +186,7 @@ def _resolve_backend(report: PlanReport, plan: Plan) -> None:
         if report.device != "cuda":
             report.error(
                 "attention.backend",
-                "attention.backend=flash_attn needs CUDA (launch.device=cuda); use torch or triton on CPU",
+                "attention.backend=flash_attn needs CUDA (launch.device=cuda); use cpu or torch on CPU",
             )
         elif not has_flash:
             report.error(
@@ -198,6 +198,10 @@ def _resolve_backend(report: PlanReport, plan: Plan) -> None:
         else:
             for message in _flash_attn_limits(report, plan):
                 report.error("attention.backend", message)
+    if requested == "cpu" and report.device == "cuda":
+        report.error(
+            "attention.backend", "attention.backend=cpu runs on CPU only; use torch, triton or flash_attn on CUDA"
+        )
     if requested == "triton" and report.device == "cpu":
         report.warnings.append("attention.backend=triton on CPU runs in the Triton interpreter (slow; for tests)")
 

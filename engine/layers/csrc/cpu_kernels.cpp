@@ -1,0 +1,363 @@
+// CPU kernels for decode-sized work, registered as torch ops under `dcpctl::`.
+//
+// At batch 1 a decode step on CPU is bound by reading the weights and, once that is fast, by the
+// fixed cost of many small torch ops. These kernels do the per-token work of a step in one pass each:
+//   gemv          y = x @ w.T (+ bias) for a few rows. oneDNN's packed path reads the weights at
+//                 50-65% of the memory bandwidth here, this row-streaming loop at ~90%
+//                 (benchmarks/gemv_roofline.py). Rows of w split over torch's intra-op threads.
+//   rms_norm      HF's RMSNorm (fp32 statistics, rounding as HF rounds), optionally after the residual add.
+//   rotary        rotary embedding of a [tokens, heads, dim] view, in fp32 as torch computes it (same bits).
+//   store_kv      new keys/values into a head-major paged cache through the slot mapping.
+//   paged_decode  one query per sequence against its paged keys/values: exact softmax in fp32,
+//                 returning the log-sum-exp per head (the DCP merge needs it).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+inline float bf16_to_float(uint16_t bits) {
+  uint32_t widened = uint32_t(bits) << 16;
+  float value;
+  std::memcpy(&value, &widened, sizeof(value));
+  return value;
+}
+
+inline float dot(const float* row, const float* x, int64_t k) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < k; ++i) acc += row[i] * x[i];
+  return acc;
+}
+
+inline float dot(const uint16_t* row, const float* x, int64_t k) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < k; ++i) acc += bf16_to_float(row[i]) * x[i];
+  return acc;
+}
+
+// Weight rows per task: a few KB of w each, so both threads stream from the start.
+constexpr int64_t kGrainRows = 16;
+
+template <typename W, typename Out, typename Store>
+void gemv_rows(const W* w, const float* x, const Out* bias, int64_t m, int64_t n, int64_t k, Store store) {
+  at::parallel_for(0, n, kGrainRows, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const W* row = w + j * k;
+      const float b = bias ? static_cast<float>(bias[j]) : 0.f;
+      for (int64_t i = 0; i < m; ++i) store(i * n + j, dot(row, x + i * k, k) + b);
+    }
+  });
+}
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [m, k] and w [n, k] expected");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "gemv: x and w must share a dtype");
+  TORCH_CHECK(w.is_contiguous(), "gemv: w must be contiguous");
+  const int64_t m = x.size(0), n = w.size(0), k = w.size(1);
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor bc = bias.has_value() ? bias->contiguous() : at::Tensor();
+  TORCH_CHECK(!bc.defined() || (bc.numel() == n && bc.scalar_type() == w.scalar_type()), "gemv: bias [n] expected");
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (w.scalar_type() == at::kFloat) {
+    float* y = out.data_ptr<float>();
+    gemv_rows(w.data_ptr<float>(), xc.data_ptr<float>(), bc.defined() ? bc.data_ptr<float>() : nullptr, m, n, k,
+              [y](int64_t at, float v) { y[at] = v; });
+  } else {
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16, "gemv: float32 or bfloat16 expected");
+    std::vector<float> xf(m * k);
+    const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+    for (int64_t i = 0; i < m * k; ++i) xf[i] = bf16_to_float(xs[i]);
+    auto* y = out.data_ptr<c10::BFloat16>();
+    gemv_rows(reinterpret_cast<const uint16_t*>(w.data_ptr()), xf.data(),
+              bc.defined() ? bc.data_ptr<c10::BFloat16>() : nullptr, m, n, k,
+              [y](int64_t at, float v) { y[at] = c10::BFloat16(v); });
+  }
+  return out;
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) { return bf16_to_float(v.x); }
+
+template <typename T>
+inline T from_float(float v) {
+  return static_cast<T>(v);
+}
+
+// Calls f.template operator()<T>() with T the C++ type of a float32 or bfloat16 tensor.
+template <typename F>
+void on_dtype(const at::Tensor& t, const char* op, F&& f) {
+  if (t.scalar_type() == at::kFloat) {
+    f(float{});
+  } else {
+    TORCH_CHECK(t.scalar_type() == at::kBFloat16, op, ": float32 or bfloat16 expected");
+    f(c10::BFloat16{});
+  }
+}
+
+template <typename T>
+void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* sum_out, int64_t rows, int64_t d,
+                   float eps) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(d);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * d;
+      float sq = 0.f;
+      for (int64_t i = 0; i < d; ++i) {
+        // the sum rounds to the model dtype first, as HF's `hidden + residual` does
+        T v = residual ? from_float<T>(to_float(xr[i]) + to_float(residual[r * d + i])) : xr[i];
+        if (residual) sum_out[r * d + i] = v;
+        h[i] = to_float(v);
+        sq += h[i] * h[i];
+      }
+      const float inv = 1.f / std::sqrt(sq / static_cast<float>(d) + eps);
+      // HF: weight * (h * rsqrt(var + eps)).to(dtype), the product rounded again
+      for (int64_t i = 0; i < d; ++i) out[r * d + i] = from_float<T>(to_float(weight[i]) * to_float(from_float<T>(h[i] * inv)));
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                            const at::Tensor& weight, double eps) {
+  const int64_t d = x.size(-1);
+  TORCH_CHECK(weight.numel() == d && weight.scalar_type() == x.scalar_type(), "rms_norm: weight [d] of x's dtype expected");
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  const at::Tensor rc = residual.has_value() ? residual->contiguous() : at::Tensor();
+  TORCH_CHECK(!rc.defined() || (rc.sizes() == x.sizes() && rc.scalar_type() == x.scalar_type()),
+              "rms_norm: residual must match x");
+  at::Tensor out = at::empty_like(xc), sum = rc.defined() ? at::empty_like(xc) : at::Tensor();
+  on_dtype(x, "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_rows(xc.data_ptr<T>(), rc.defined() ? rc.data_ptr<T>() : nullptr, wc.data_ptr<T>(), out.data_ptr<T>(),
+                  sum.defined() ? sum.data_ptr<T>() : nullptr, xc.numel() / d, d, static_cast<float>(eps));
+  });
+  return {out, sum};
+}
+
+// x [T, H, D] (any strides but the last), cos / sin [T, 1, D] fp32 with the rotation's sign folded into sin:
+// out = x * cos + partner(x) * sin, partner pairing dim i with i + D/2 (neox) or each adjacent pair (interleaved).
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary: x [tokens, heads, dim] with a contiguous last dim expected");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  TORCH_CHECK(dim % 2 == 0 && cos.numel() == tokens * dim && sin.numel() == tokens * dim, "rotary: cos/sin [T, 1, D] expected");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "rotary: fp32 cos/sin expected");
+  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
+  at::Tensor out = at::empty({tokens, heads, dim}, x.options());
+  on_dtype(x, "rotary", [&](auto tag) {
+    using T = decltype(tag);
+    const T* src = x.data_ptr<T>();
+    T* dst = out.data_ptr<T>();
+    const float* cp = cc.data_ptr<float>();
+    const float* sp = sc.data_ptr<float>();
+    at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        const int64_t t = row / heads, h = row % heads;
+        const T* xr = src + t * x.stride(0) + h * x.stride(1);
+        const float* c = cp + t * dim;
+        const float* sn = sp + t * dim;
+        T* o = dst + row * dim;
+        if (interleaved) {
+          for (int64_t i = 0; i < dim; i += 2) {
+            const float even = to_float(xr[i]), odd = to_float(xr[i + 1]);
+            o[i] = from_float<T>(even * c[i] + odd * sn[i]);
+            o[i + 1] = from_float<T>(odd * c[i + 1] + even * sn[i + 1]);
+          }
+        } else {
+          for (int64_t i = 0; i < half; ++i) {
+            const float lo = to_float(xr[i]), hi = to_float(xr[i + half]);
+            o[i] = from_float<T>(lo * c[i] + hi * sn[i]);
+            o[i + half] = from_float<T>(hi * c[i + half] + lo * sn[i + half]);
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// cache [blocks, heads, block_size, dim] (head-major, contiguous); new_kv [tokens, heads, dim]
+void store_kv(const at::Tensor& new_kv, at::Tensor& cache, const at::Tensor& slots) {
+  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 4, "store_kv: a contiguous [blocks, heads, B, D] cache expected");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == new_kv.size(0), "store_kv: int64 slots [tokens] expected");
+  const int64_t heads = cache.size(1), block = cache.size(2), dim = cache.size(3), tokens = new_kv.size(0);
+  TORCH_CHECK(new_kv.dim() == 3 && new_kv.size(1) == heads && new_kv.size(2) == dim, "store_kv: new_kv [tokens, heads, D] expected");
+  const int64_t row = new_kv.stride(0), head_stride = new_kv.stride(1);
+  TORCH_CHECK(new_kv.stride(2) == 1, "store_kv: new_kv's last dim must be contiguous");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  on_dtype(new_kv, "store_kv", [&](auto in_tag) {
+    using In = decltype(in_tag);
+    on_dtype(cache, "store_kv", [&](auto cache_tag) {
+      using C = decltype(cache_tag);
+      const In* src = new_kv.data_ptr<In>();
+      C* dst = cache.data_ptr<C>();
+      for (int64_t t = 0; t < tokens; ++t) {
+        if (slot[t] < 0) continue;  // another DCP rank stores this token
+        const int64_t b = slot[t] / block, off = slot[t] % block;
+        for (int64_t h = 0; h < heads; ++h) {
+          C* to = dst + ((b * heads + h) * block + off) * dim;
+          const In* from = src + t * row + h * head_stride;
+          for (int64_t i = 0; i < dim; ++i) to[i] = from_float<C>(to_float(from[i]));
+        }
+      }
+    });
+  });
+}
+
+// exp(x) for x <= 0 in a form the compiler vectorizes (std::exp does not, here): x = n ln2 + r with
+// |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial (relative error < 2e-7), 2^n into the exponent.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // below this e^x underflows fp32's normal range; the sums cannot tell
+  const float n = std::nearbyint(x * 1.44269504f);
+  const float r = x - n * 0.693145752f - n * 1.42860677e-6f;  // ln2 split so n * hi is exact
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits += static_cast<int32_t>(n) << 23;
+  std::memcpy(&p, &bits, sizeof(p));
+  return p;
+}
+
+// One task per (sequence, KV head): each key and value row is read and widened once for all the query
+// heads that share it (GQA groups, MLA's single latent head).
+template <typename Q, typename C, int64_t FixedDk, int64_t FixedDv>
+void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tables, const int64_t* lens, Q* out,
+                  float* lse, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t block, int64_t dk_, int64_t dv_,
+                  int64_t max_blocks, int64_t key_block_stride, int64_t value_block_stride, int64_t value_token_stride,
+                  float scale) {
+  // compile-time head sizes for the common ones let the compiler unroll the per-token loops
+  const int64_t dk = FixedDk ? FixedDk : dk_, dv = FixedDv ? FixedDv : dv_;
+  const int64_t group = heads / kv_heads;
+  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dk), row(std::max(dk, dv)), scores, acc(group * dv), top(group), total(group);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / kv_heads, g = task % kv_heads, len = lens[s], first_head = s * heads + g * group;
+      const int64_t* table = tables + s * max_blocks;
+      if (len == 0) {  // this rank holds none of the sequence: contributes 0 with weight exp(-inf)
+        for (int64_t i = 0; i < group * dv; ++i) out[first_head * dv + i] = from_float<Q>(0.f);
+        for (int64_t h = 0; h < group; ++h) lse[first_head + h] = -std::numeric_limits<float>::infinity();
+        continue;
+      }
+      for (int64_t i = 0; i < group * dk; ++i) qf[i] = to_float(q[first_head * dk + i]) * scale;
+      scores.resize(group * len);
+      std::fill(top.begin(), top.end(), -std::numeric_limits<float>::infinity());
+      for (int64_t first = 0; first < len; first += block) {  // one block of keys at a time, in place
+        const C* k = keys + table[first / block] * key_block_stride + g * block * dk;
+        for (int64_t j = first; j < std::min(len, first + block); ++j, k += dk) {
+          for (int64_t i = 0; i < dk; ++i) row[i] = to_float(k[i]);
+          for (int64_t h = 0; h < group; ++h) {
+            const float* qh = qf.data() + h * dk;
+            float dotv = 0.f;
+#pragma omp simd reduction(+ : dotv)
+            for (int64_t i = 0; i < dk; ++i) dotv = std::fma(qh[i], row[i], dotv);
+            scores[h * len + j] = dotv;
+            top[h] = std::max(top[h], dotv);
+          }
+        }
+      }
+      for (int64_t h = 0; h < group; ++h) {
+        float* sh = scores.data() + h * len;
+        const float m = top[h];
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < len; ++j) {
+          sh[j] = exp_nonpositive(sh[j] - m);
+          sum += sh[j];
+        }
+        total[h] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t first = 0; first < len; first += block) {
+        const C* v = values + table[first / block] * value_block_stride + g * block * value_token_stride;
+        for (int64_t j = first; j < std::min(len, first + block); ++j, v += value_token_stride) {
+          for (int64_t i = 0; i < dv; ++i) row[i] = to_float(v[i]);
+          for (int64_t h = 0; h < group; ++h) {
+            const float p = scores[h * len + j];
+            float* ah = acc.data() + h * dv;
+#pragma omp simd
+            for (int64_t i = 0; i < dv; ++i) ah[i] = std::fma(p, row[i], ah[i]);
+          }
+        }
+      }
+      for (int64_t h = 0; h < group; ++h) {
+        for (int64_t i = 0; i < dv; ++i) out[(first_head + h) * dv + i] = from_float<Q>(acc[h * dv + i] / total[h]);
+        lse[first_head + h] = top[h] + std::log(total[h]);
+      }
+    }
+  });
+}
+
+// q [S, H, Dk]; key_cache / value_cache head-major [blocks, Hkv, B, D]; without value_cache the values
+// are the first value_dim dims of the keys (MLA). Sequence s's local token j is at
+// block_tables[s, j / B], offset j % B, for j < lens[s]. Returns out [S, H, value_dim] and lse [S, H].
+std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
+                                                const std::optional<at::Tensor>& value_cache,
+                                                const at::Tensor& block_tables, const at::Tensor& lens, double scale,
+                                                int64_t value_dim) {
+  TORCH_CHECK(key_cache.is_contiguous() && key_cache.dim() == 4, "paged_decode: a contiguous head-major cache expected");
+  const at::Tensor& vc = value_cache.has_value() ? *value_cache : key_cache;
+  TORCH_CHECK(vc.is_contiguous() && vc.scalar_type() == key_cache.scalar_type(), "paged_decode: caches must match");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "paged_decode: int64 tables");
+  const at::Tensor qc = q.contiguous(), tables = block_tables.contiguous(), lc = lens.contiguous();
+  const int64_t seqs = q.size(0), heads = q.size(1), dk = q.size(2);
+  const int64_t kv_heads = key_cache.size(1), block = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == dk && heads % kv_heads == 0, "paged_decode: q and cache head sizes disagree");
+  TORCH_CHECK(value_dim <= vc.size(3), "paged_decode: value_dim exceeds the value cache");
+  at::Tensor out = at::empty({seqs, heads, value_dim}, q.options());
+  at::Tensor lse = at::empty({seqs, heads}, q.options().dtype(at::kFloat));
+  on_dtype(q, "paged_decode", [&](auto q_tag) {
+    using Q = decltype(q_tag);
+    on_dtype(key_cache, "paged_decode", [&](auto cache_tag) {
+      using C = decltype(cache_tag);
+      auto run = [&](auto kernel) {
+        kernel(qc.data_ptr<Q>(), key_cache.data_ptr<C>(), vc.data_ptr<C>(), tables.data_ptr<int64_t>(),
+               lc.data_ptr<int64_t>(), out.data_ptr<Q>(), lse.data_ptr<float>(), seqs, heads, kv_heads, block, dk,
+               value_dim, tables.size(1), key_cache.stride(0), vc.stride(0), vc.stride(2), static_cast<float>(scale));
+      };
+      if (dk == 64 && value_dim == 64) {
+        run(decode_heads<Q, C, 64, 64>);
+      } else if (dk == 128 && value_dim == 128) {
+        run(decode_heads<Q, C, 128, 128>);
+      } else {
+        run(decode_heads<Q, C, 0, 0>);
+      }
+    });
+  });
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(dcpctl, m) {
+  m.def("gemv(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rotary(Tensor x, Tensor cos, Tensor sin, bool interleaved) -> Tensor");
+  m.def("store_kv(Tensor new_kv, Tensor(a!) cache, Tensor slots) -> ()");
+  m.def(
+      "paged_decode(Tensor q, Tensor key_cache, Tensor? value_cache, Tensor block_tables, Tensor lens, float scale, "
+      "int value_dim) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(dcpctl, CPU, m) {
+  m.impl("gemv", &gemv);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary", &rotary);
+  m.impl("store_kv", &store_kv);
+  m.impl("paged_decode", &paged_decode);
+}

@@ -1,0 +1,131 @@
+"""The engine's C++ CPU kernels against torch and HF: the GEMV against F.linear, RMSNorm against HF's
+(bitwise in bfloat16), and the `cpu` attention backend against the torch reference per DCP rank (its
+store and decode kernels), merged over ranks to unsharded attention, and on a whole model against HF.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from engine.attention.backend import create_backend
+from engine.attention.cpu_backend import CpuBackend
+from engine.layers import cpu_kernels
+from engine.layers.cpu_gemm import GEMV_MAX_ROWS, PackableLinear
+from engine.layers.rotary import RotaryEmbedding
+from tests.oracle import hf_greedy, prompt_ids, write_plan
+from tests.test_dcp_equivalence import dcpctl_run
+from tests.test_triton_backend import check_backend
+
+NEEDS_KERNELS = pytest.mark.skipif(not cpu_kernels.cpu_kernels_available(), reason="the CPU kernels did not build here")
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 0.0)])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_f_linear(dtype, atol, rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(333, 70, generator=g).to(dtype)  # odd sizes: no multiple of a vector width
+    bias = torch.randn(333, generator=g).to(dtype) if with_bias else None
+    x = torch.randn(rows, 70, generator=g).to(dtype)
+    out = cpu_kernels.gemv(x, weight, bias)
+    assert out.dtype == dtype and out.shape == (rows, 333)
+    # bf16: the same fp32 accumulation then one rounding, so the bits agree with oneDNN's
+    want = torch.nn.functional.linear(x, weight, bias)
+    torch.testing.assert_close(out, want, atol=atol, rtol=0 if atol == 0 else 1e-5)
+
+
+@NEEDS_KERNELS
+def test_linear_layers_take_the_gemv_for_few_rows_only():
+    layer = PackableLinear()
+    layer.weight = torch.nn.Parameter(torch.randn(64, 32), requires_grad=False)
+    layer.pack()
+    assert layer.gemv_rows == GEMV_MAX_ROWS
+    for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(layer.project(x), x @ layer.weight.T, atol=1e-5, rtol=1e-5)
+
+
+@NEEDS_KERNELS
+def test_gemv_rejects_mismatched_shapes():
+    with pytest.raises(RuntimeError, match=r"x \[m, k\] and w \[n, k\]"):
+        cpu_kernels.gemv(torch.ones(1, 3), torch.ones(4, 5))
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_hf(dtype, with_residual):
+    g = torch.Generator().manual_seed(3)
+    hf = LlamaRMSNorm(200, eps=1e-6).to(dtype)
+    hf.weight.data = torch.randn(200, generator=g).to(dtype)
+    x, residual = torch.randn(7, 200, generator=g).to(dtype), torch.randn(7, 200, generator=g).to(dtype)
+    out, summed = torch.ops.dcpctl.rms_norm(x, residual if with_residual else None, hf.weight, 1e-6)
+    want_input = x + residual if with_residual else x
+    if with_residual:
+        assert torch.equal(summed, want_input)
+    if dtype == torch.bfloat16:  # rounded where HF rounds: the same bits
+        assert torch.equal(out, hf(want_input))
+    else:
+        torch.testing.assert_close(out, hf(want_input), atol=2e-6, rtol=1e-6)
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_kernel_gives_the_torch_bits(dtype, interleaved):
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4)
+    rope = RotaryEmbedding(cfg, 64, 4096, interleaved, torch.device("cpu"))
+    qkv = torch.randn(6, 7, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
+    x = qkv[:, 1:6]  # a strided view, as the attention layers pass q and k
+    cos, sin = rope.lookup(torch.tensor([0, 1, 9, 300, 2047, 4095]))
+    assert torch.equal(rope.apply(x, cos, sin), rope.apply_torch(x, cos, sin))
+
+
+@NEEDS_KERNELS
+def test_registry_names_the_cpu_backend():
+    backend = create_backend("cpu")
+    assert isinstance(backend, CpuBackend) and backend.name == "cpu" and backend.kernels
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize(
+    ("arch", "dcp_size", "interleave", "block_size", "dtype"),
+    [
+        ("gqa", 1, 1, 4, torch.float32),
+        ("gqa", 2, 1, 4, torch.float32),
+        ("gqa", 2, 4, 8, torch.bfloat16),
+        ("mla", 2, 2, 8, torch.float32),
+        ("mla", 1, 1, 4, torch.bfloat16),
+    ],
+)
+def test_cpu_backend_matches_torch_per_rank_and_merges_to_full_attention(arch, dcp_size, interleave, block_size, dtype):
+    atol = 2e-5 if dtype == torch.float32 else 3e-2
+    check_backend("cpu", arch, dcp_size, interleave, block_size, dtype=dtype, atol=atol)
+
+
+def test_a_failed_build_is_one_line_not_a_crash(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # a fresh kernels cache
+    source = tmp_path / "broken.cpp"
+    source.write_text("#error broken on purpose\n")
+    problem = cpu_kernels.build_kernels(source, "dcpctl_broken_test")
+    assert problem is not None and "\n" not in problem and "dcpctl_broken_test" in problem
+
+
+@pytest.mark.multiproc
+def test_engine_without_its_kernels_matches_hf(tmp_path, tiny_models, monkeypatch):
+    """DCPCTL_CPU_KERNELS=0 (or no compiler): torch's kernels throughout, the same tokens as HF."""
+    folder = tiny_models("llama")
+    prompts = prompt_ids(3, [1, 17, 40], seed=4)
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
+    monkeypatch.setenv("DCPCTL_CPU_KERNELS", "0")
+    plan = write_plan(tmp_path, folder, {"attention.backend": "cpu"})
+    records, _ = dcpctl_run(plan, prompts_file, tmp_path / "out.jsonl", tmp_path / "stats", new_tokens=16)
+    for ids, record in zip(prompts, records, strict=True):
+        assert record["token_ids"] == hf_greedy(folder, ids, 16)[0]
