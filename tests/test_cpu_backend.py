@@ -14,6 +14,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from engine.attention.backend import create_backend
 from engine.attention.cpu_backend import CpuBackend
+from engine.attention.torch_backend import softmax_attention
 from engine.layers import cpu_kernels
 from engine.layers.cpu_gemm import GEMV_MAX_ROWS, PackableLinear
 from engine.layers.rotary import RotaryEmbedding
@@ -85,6 +86,37 @@ def test_rotary_kernel_gives_the_torch_bits(dtype, interleaved):
     x = qkv[:, 1:6]  # a strided view, as the attention layers pass q and k
     cos, sin = rope.lookup(torch.tensor([0, 1, 9, 300, 2047, 4095]))
     assert torch.equal(rope.apply(x, cos, sin), rope.apply_torch(x, cos, sin))
+
+
+@pytest.fixture
+def four_threads():
+    """4 intra-op threads (even on fewer cores), so that paged_decode splits long contexts."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    yield
+    torch.set_num_threads(before)
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize(("heads", "kv_heads", "dk", "dv"), [(8, 1, 64, 64), (4, 1, 40, 32)])
+def test_paged_decode_splits_long_contexts_exactly(four_threads, heads, kv_heads, dk, dv):
+    """3 (sequence, KV head) pairs for 4 threads: the 300-token context runs as 3 chunks, merged by LSE."""
+    g = torch.Generator().manual_seed(7)
+    block, lengths = 16, [300, 0, 77]  # 0: a rank holding none of that sequence
+    cache = torch.randn(60, block, kv_heads, dk, generator=g)
+    values = None if dv < dk else torch.randn(60, block, kv_heads, dv, generator=g)
+    tables = torch.randperm(60, generator=g)[: 3 * 19].view(3, 19)
+    q = torch.randn(3, heads, dk, generator=g)
+    out, lse = cpu_kernels.paged_decode(q, cache, values, tables, torch.tensor(lengths), 0.2, dv)
+    for s, n in enumerate(lengths):
+        if n == 0:
+            assert not out[s].any() and torch.isneginf(lse[s]).all()
+            continue
+        keys = cache[tables[s]].flatten(0, 1)[:n]
+        vals = keys[..., :dv] if values is None else values[tables[s]].flatten(0, 1)[:n]
+        want_o, want_l = softmax_attention(q[s][None, None], keys[None], vals[None], 0.2, None)
+        torch.testing.assert_close(out[s], want_o[0, 0], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(lse[s], want_l[0, 0], atol=2e-5, rtol=1e-5)
 
 
 @NEEDS_KERNELS

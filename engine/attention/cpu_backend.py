@@ -1,14 +1,14 @@
 """The CPU backend: the torch reference, with the per-token work of decode in the engine's C++ kernels.
 
-The KV store and single-query decode attention (`cpu_kernels.store_kv` / `paged_decode`) read the
-head-major cache in place: no gathered copy of each sequence's keys and values per layer, and one
+The KV store and single-query decode attention (`cpu_kernels.store_kv` / `paged_decode`) work on the
+layers' cache views in place: no gathered copy of each sequence's keys and values per layer, and one
 op instead of a dozen. Prefill and multi-query context attention stay on the torch backend's paths,
 as does everything when the kernels cannot be built here (`cpu_kernels_available`).
 """
 
 from __future__ import annotations
 
-from engine.attention.torch_backend import TorchBackend, physical_cache
+from engine.attention.torch_backend import TorchBackend
 from engine.layers.cpu_kernels import cpu_kernels_available, paged_decode, store_kv
 
 
@@ -23,11 +23,10 @@ class CpuBackend(TorchBackend):
             return super().write_cache(key, value, key_cache, value_cache, metadata)
         for new, cache in ((key, key_cache), (value, value_cache)):
             if cache is not None:
-                store_kv(new, physical_cache(cache), metadata.slot_mapping)
+                store_kv(new, cache, metadata.slot_mapping)
 
     def paged(self, q, key_cache, value_cache, value_dim, kv, scale):
         if not self.kernels or not kv.one_query_each or q.device.type != "cpu":
             return super().paged(q, key_cache, value_cache, value_dim, kv, scale)
-        values = None if value_cache is None else physical_cache(value_cache)
-        out, lse = paged_decode(q, physical_cache(key_cache), values, kv.block_tables, kv.lens, scale, value_dim)
+        out, lse = paged_decode(q, key_cache, value_cache, kv.block_tables, kv.lens, scale, value_dim)
         return out, lse if kv.need_lse else None

@@ -73,7 +73,7 @@ def _causal_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     return out[0, ..., :value_dim].transpose(0, 1), lse[0].transpose(0, 1).float()
 
 
-def physical_cache(cache: torch.Tensor) -> torch.Tensor:
+def _physical(cache: torch.Tensor) -> torch.Tensor:
     """The head-major storage [blocks, H, B, D] behind a layer's [blocks, B, H, D] cache view."""
     phys = cache.permute(0, 2, 1, 3)
     if not phys.is_contiguous():
@@ -105,7 +105,7 @@ class TorchBackend(AttentionBackend):
         blocks, offsets = slots // block_size, slots % block_size
         for new, cache in ((key, key_cache), (value, value_cache)):
             if cache is not None:
-                physical_cache(cache)[blocks, :, offsets] = new if rows is None else new.index_select(0, rows)
+                _physical(cache)[blocks, :, offsets] = new if rows is None else new.index_select(0, rows)
 
     def prefill_new(self, q, k, v, prefill: PrefillNew, scale, need_lse):
         out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
@@ -129,7 +129,7 @@ class TorchBackend(AttentionBackend):
         index = (tables.unsqueeze(1) * heads + torch.arange(heads, device=tables.device).view(1, -1, 1)).reshape(-1)
 
         def gather(cache: torch.Tensor) -> torch.Tensor:  # [S, Hkv, tokens, D], contiguous
-            flat = physical_cache(cache).reshape(-1, cache.shape[1], cache.shape[3])
+            flat = _physical(cache).reshape(-1, cache.shape[1], cache.shape[3])
             return flat.index_select(0, index).view(seqs, heads, -1, cache.shape[3])
 
         keys = gather(key_cache)

@@ -34,25 +34,9 @@ class PagedAttention(nn.Module):
         backend, par = md.backend, get_parallel()
         backend.write_cache(k, None if self.value_in_key else v, self.key_cache, self.value_cache, md)
         prefill_tokens = md.num_prefill_tokens
-        out = q.new_empty(q.shape[0], self.num_heads, self.value_dim)
-        if md.prefill is not None:
-            qp = q[:prefill_tokens]
-            o, lse = backend.prefill_new(
-                qp,
-                k[:prefill_tokens],
-                v[:prefill_tokens],
-                md.prefill,
-                self.scale,
-                need_lse=md.prefill_context is not None,
-            )
-            if md.prefill_context is not None:
-                oc, lse_c = attend_cache(
-                    backend, par, qp, self.key_cache, self.value_cache, self.value_dim, md.prefill_context, self.scale
-                )
-                o, _ = merge_attention(o, lse, oc, lse_c)
-            out[:prefill_tokens] = o
+        decoded = None
         if md.decode is not None:
-            out[prefill_tokens:], _ = attend_cache(
+            decoded, _ = attend_cache(
                 backend,
                 par,
                 q[prefill_tokens:],
@@ -62,4 +46,19 @@ class PagedAttention(nn.Module):
                 md.decode,
                 self.scale,
             )
+        if md.prefill is None:  # a decode-only step: no copy into a joint output
+            return decoded
+        out = q.new_empty(q.shape[0], self.num_heads, self.value_dim)
+        qp = q[:prefill_tokens]
+        o, lse = backend.prefill_new(
+            qp, k[:prefill_tokens], v[:prefill_tokens], md.prefill, self.scale, need_lse=md.prefill_context is not None
+        )
+        if md.prefill_context is not None:
+            oc, lse_c = attend_cache(
+                backend, par, qp, self.key_cache, self.value_cache, self.value_dim, md.prefill_context, self.scale
+            )
+            o, _ = merge_attention(o, lse, oc, lse_c)
+        out[:prefill_tokens] = o
+        if decoded is not None:
+            out[prefill_tokens:] = decoded
         return out

@@ -79,7 +79,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def store_kv(new_kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Write new_kv [T, Hkv, D] into a head-major cache [blocks, Hkv, B, D] at `slots` (-1: skipped)."""
+    """Write new_kv [T, Hkv, D] into a layer's cache view [blocks, B, Hkv, D] at `slots` (-1: skipped)."""
     torch.ops.dcpctl.store_kv(new_kv, cache, slots)
 
 
@@ -92,7 +92,7 @@ def paged_decode(
     scale: float,
     value_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query per sequence, q [S, H, Dk], against head-major caches [blocks, Hkv, B, D] (values None: the
+    """One query per sequence, q [S, H, Dk], against a layer's cache views [blocks, B, Hkv, D] (values None: the
     first `value_dim` dims of the keys); exact softmax in fp32. Returns out [S, H, value_dim], lse [S, H]."""
     return torch.ops.dcpctl.paged_decode(q, key_cache, value_cache, block_tables, lens, scale, value_dim)
 

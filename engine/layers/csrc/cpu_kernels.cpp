@@ -7,7 +7,7 @@
 //                 (benchmarks/gemv_roofline.py). Rows of w split over torch's intra-op threads.
 //   rms_norm      HF's RMSNorm (fp32 statistics, rounding as HF rounds), optionally after the residual add.
 //   rotary        rotary embedding of a [tokens, heads, dim] view, in fp32 as torch computes it (same bits).
-//   store_kv      new keys/values into a head-major paged cache through the slot mapping.
+//   store_kv      new keys/values into the paged cache through the slot mapping.
 //   paged_decode  one query per sequence against its paged keys/values: exact softmax in fp32,
 //                 returning the log-sum-exp per head (the DCP merge needs it).
 #include <ATen/Parallel.h>
@@ -17,6 +17,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -185,13 +186,13 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
-// cache [blocks, heads, block_size, dim] (head-major, contiguous); new_kv [tokens, heads, dim]
+// A layer's cache view [blocks, block_size, heads, dim] in any layout whose last dim is contiguous (the
+// torch backend's storage is head-major behind it); new_kv [tokens, heads, dim].
 void store_kv(const at::Tensor& new_kv, at::Tensor& cache, const at::Tensor& slots) {
-  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 4, "store_kv: a contiguous [blocks, heads, B, D] cache expected");
+  TORCH_CHECK(cache.dim() == 4 && cache.stride(3) == 1, "store_kv: a [blocks, B, H, D] cache view expected");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == new_kv.size(0), "store_kv: int64 slots [tokens] expected");
-  const int64_t heads = cache.size(1), block = cache.size(2), dim = cache.size(3), tokens = new_kv.size(0);
+  const int64_t block = cache.size(1), heads = cache.size(2), dim = cache.size(3), tokens = new_kv.size(0);
   TORCH_CHECK(new_kv.dim() == 3 && new_kv.size(1) == heads && new_kv.size(2) == dim, "store_kv: new_kv [tokens, heads, D] expected");
-  const int64_t row = new_kv.stride(0), head_stride = new_kv.stride(1);
   TORCH_CHECK(new_kv.stride(2) == 1, "store_kv: new_kv's last dim must be contiguous");
   const int64_t* slot = slots.data_ptr<int64_t>();
   on_dtype(new_kv, "store_kv", [&](auto in_tag) {
@@ -204,8 +205,8 @@ void store_kv(const at::Tensor& new_kv, at::Tensor& cache, const at::Tensor& slo
         if (slot[t] < 0) continue;  // another DCP rank stores this token
         const int64_t b = slot[t] / block, off = slot[t] % block;
         for (int64_t h = 0; h < heads; ++h) {
-          C* to = dst + ((b * heads + h) * block + off) * dim;
-          const In* from = src + t * row + h * head_stride;
+          C* to = dst + b * cache.stride(0) + off * cache.stride(1) + h * cache.stride(2);
+          const In* from = src + t * new_kv.stride(0) + h * new_kv.stride(1);
           for (int64_t i = 0; i < dim; ++i) to[i] = from_float<C>(to_float(from[i]));
         }
       }
@@ -234,89 +235,128 @@ inline float exp_nonpositive(float x) {
   return p;
 }
 
-// One task per (sequence, KV head): each key and value row is read and widened once for all the query
-// heads that share it (GQA groups, MLA's single latent head).
+struct DecodeShape {
+  int64_t seqs, heads, kv_heads, block, dk, dv, max_blocks;
+  int64_t key_block_stride, key_token_stride, key_head_stride;  // of the [blocks, B, H, D] views
+  int64_t value_block_stride, value_token_stride, value_head_stride;
+  float scale;
+};
+
+constexpr int64_t kMinChunkTokens = 64;  // below this a context is not worth splitting over threads
+
+// Work items are (sequence, KV head, chunk of whole blocks): each key and value row is read and widened
+// once for all the query heads that share it (GQA groups, MLA's single latent head), and at small batch
+// long contexts split into chunks so that every thread has work. An item leaves, per query head, its
+// chunk's max score, sum of exp(score - max) and exp-weighted value sum; a second pass merges the
+// chunks of each head exactly (the same algebra as the DCP merge).
 template <typename Q, typename C, int64_t FixedDk, int64_t FixedDv>
 void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tables, const int64_t* lens, Q* out,
-                  float* lse, int64_t seqs, int64_t heads, int64_t kv_heads, int64_t block, int64_t dk_, int64_t dv_,
-                  int64_t max_blocks, int64_t key_block_stride, int64_t value_block_stride, int64_t value_token_stride,
-                  float scale) {
+                  float* lse, const DecodeShape& a) {
   // compile-time head sizes for the common ones let the compiler unroll the per-token loops
-  const int64_t dk = FixedDk ? FixedDk : dk_, dv = FixedDv ? FixedDv : dv_;
-  const int64_t group = heads / kv_heads;
-  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dk), row(std::max(dk, dv)), scores, acc(group * dv), top(group), total(group);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / kv_heads, g = task % kv_heads, len = lens[s], first_head = s * heads + g * group;
-      const int64_t* table = tables + s * max_blocks;
-      if (len == 0) {  // this rank holds none of the sequence: contributes 0 with weight exp(-inf)
-        for (int64_t i = 0; i < group * dv; ++i) out[first_head * dv + i] = from_float<Q>(0.f);
-        for (int64_t h = 0; h < group; ++h) lse[first_head + h] = -std::numeric_limits<float>::infinity();
-        continue;
-      }
-      for (int64_t i = 0; i < group * dk; ++i) qf[i] = to_float(q[first_head * dk + i]) * scale;
-      scores.resize(group * len);
-      std::fill(top.begin(), top.end(), -std::numeric_limits<float>::infinity());
-      for (int64_t first = 0; first < len; first += block) {  // one block of keys at a time, in place
-        const C* k = keys + table[first / block] * key_block_stride + g * block * dk;
-        for (int64_t j = first; j < std::min(len, first + block); ++j, k += dk) {
-          for (int64_t i = 0; i < dk; ++i) row[i] = to_float(k[i]);
+  const int64_t dk = FixedDk ? FixedDk : a.dk, dv = FixedDv ? FixedDv : a.dv;
+  const int64_t group = a.heads / a.kv_heads, pairs = a.seqs * a.kv_heads;
+  const int64_t max_len = *std::max_element(lens, lens + a.seqs);
+  const int64_t wanted = (2 * at::get_num_threads() + pairs - 1) / pairs;
+  int64_t chunk = std::max((max_len + wanted - 1) / wanted, kMinChunkTokens);
+  chunk = (chunk + a.block - 1) / a.block * a.block;
+  const int64_t chunks = std::max<int64_t>(1, (max_len + chunk - 1) / chunk);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  std::vector<float> part_max(a.seqs * a.heads * chunks, neg_inf), part_sum(part_max.size(), 0.f);
+  std::vector<float> part_acc(part_max.size() * dv, 0.f);
+
+  at::parallel_for(0, pairs * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * dk), row(std::max(dk, dv)), scores(group * chunk), top(group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / (a.kv_heads * chunks), g = item / chunks % a.kv_heads, c = item % chunks;
+      const int64_t from = c * chunk, to = std::min(lens[s], from + chunk), n = to - from;
+      if (n <= 0) continue;  // past this sequence's end (or none of it on this rank)
+      const int64_t first_head = s * a.heads + g * group;
+      const int64_t* table = tables + s * a.max_blocks;
+      for (int64_t i = 0; i < group * dk; ++i) qf[i] = to_float(q[first_head * dk + i]) * a.scale;
+      float* __restrict__ widened = row.data();  // restrict: the stores below never alias the loads
+      std::fill(top.begin(), top.end(), neg_inf);
+      for (int64_t first = from; first < to; first += a.block) {  // one block of keys at a time, in place
+        const C* k = keys + table[first / a.block] * a.key_block_stride + g * a.key_head_stride;
+        for (int64_t j = first; j < std::min(to, first + a.block); ++j, k += a.key_token_stride) {
+          for (int64_t i = 0; i < dk; ++i) widened[i] = to_float(k[i]);
           for (int64_t h = 0; h < group; ++h) {
-            const float* qh = qf.data() + h * dk;
+            const float* __restrict__ qh = qf.data() + h * dk;
             float dotv = 0.f;
 #pragma omp simd reduction(+ : dotv)
-            for (int64_t i = 0; i < dk; ++i) dotv = std::fma(qh[i], row[i], dotv);
-            scores[h * len + j] = dotv;
+            for (int64_t i = 0; i < dk; ++i) dotv = std::fma(qh[i], widened[i], dotv);
+            scores[h * chunk + j - from] = dotv;
             top[h] = std::max(top[h], dotv);
           }
         }
       }
       for (int64_t h = 0; h < group; ++h) {
-        float* sh = scores.data() + h * len;
+        float* sh = scores.data() + h * chunk;
         const float m = top[h];
+        part_max[(first_head + h) * chunks + c] = m;
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < len; ++j) {
+        for (int64_t j = 0; j < n; ++j) {
           sh[j] = exp_nonpositive(sh[j] - m);
           sum += sh[j];
         }
-        total[h] = sum;
+        part_sum[(first_head + h) * chunks + c] = sum;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t first = 0; first < len; first += block) {
-        const C* v = values + table[first / block] * value_block_stride + g * block * value_token_stride;
-        for (int64_t j = first; j < std::min(len, first + block); ++j, v += value_token_stride) {
-          for (int64_t i = 0; i < dv; ++i) row[i] = to_float(v[i]);
+      for (int64_t first = from; first < to; first += a.block) {
+        const C* v = values + table[first / a.block] * a.value_block_stride + g * a.value_head_stride;
+        for (int64_t j = first; j < std::min(to, first + a.block); ++j, v += a.value_token_stride) {
+          for (int64_t i = 0; i < dv; ++i) widened[i] = to_float(v[i]);
           for (int64_t h = 0; h < group; ++h) {
-            const float p = scores[h * len + j];
-            float* ah = acc.data() + h * dv;
+            const float p = scores[h * chunk + j - from];
+            float* __restrict__ acc = part_acc.data() + ((first_head + h) * chunks + c) * dv;
 #pragma omp simd
-            for (int64_t i = 0; i < dv; ++i) ah[i] = std::fma(p, row[i], ah[i]);
+            for (int64_t i = 0; i < dv; ++i) acc[i] = std::fma(p, widened[i], acc[i]);
           }
         }
       }
-      for (int64_t h = 0; h < group; ++h) {
-        for (int64_t i = 0; i < dv; ++i) out[(first_head + h) * dv + i] = from_float<Q>(acc[h * dv + i] / total[h]);
-        lse[first_head + h] = top[h] + std::log(total[h]);
+    }
+  });
+
+  at::parallel_for(0, a.seqs * a.heads, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(dv);
+    for (int64_t head = begin; head < end; ++head) {
+      const float* m = part_max.data() + head * chunks;
+      const float top = *std::max_element(m, m + chunks);
+      Q* o = out + head * dv;
+      if (top == neg_inf) {  // this rank holds none of the sequence: contributes 0 with weight exp(-inf)
+        for (int64_t i = 0; i < dv; ++i) o[i] = from_float<Q>(0.f);
+        lse[head] = neg_inf;
+        continue;
       }
+      float total = 0.f;
+      std::fill(merged.begin(), merged.end(), 0.f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        if (m[c] == neg_inf) continue;
+        const float w = std::exp(m[c] - top);
+        total += w * part_sum[head * chunks + c];
+        const float* acc = part_acc.data() + (head * chunks + c) * dv;
+        for (int64_t i = 0; i < dv; ++i) merged[i] += w * acc[i];
+      }
+      for (int64_t i = 0; i < dv; ++i) o[i] = from_float<Q>(merged[i] / total);
+      lse[head] = top + std::log(total);
     }
   });
 }
 
-// q [S, H, Dk]; key_cache / value_cache head-major [blocks, Hkv, B, D]; without value_cache the values
+// q [S, H, Dk]; key_cache / value_cache [blocks, B, Hkv, D] views; without value_cache the values
 // are the first value_dim dims of the keys (MLA). Sequence s's local token j is at
 // block_tables[s, j / B], offset j % B, for j < lens[s]. Returns out [S, H, value_dim] and lse [S, H].
 std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& key_cache,
                                                 const std::optional<at::Tensor>& value_cache,
                                                 const at::Tensor& block_tables, const at::Tensor& lens, double scale,
                                                 int64_t value_dim) {
-  TORCH_CHECK(key_cache.is_contiguous() && key_cache.dim() == 4, "paged_decode: a contiguous head-major cache expected");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.stride(3) == 1, "paged_decode: a [blocks, B, H, D] cache view expected");
   const at::Tensor& vc = value_cache.has_value() ? *value_cache : key_cache;
-  TORCH_CHECK(vc.is_contiguous() && vc.scalar_type() == key_cache.scalar_type(), "paged_decode: caches must match");
+  TORCH_CHECK(vc.dim() == 4 && vc.stride(3) == 1 && vc.scalar_type() == key_cache.scalar_type(),
+              "paged_decode: the value cache must match the key cache");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "paged_decode: int64 tables");
   const at::Tensor qc = q.contiguous(), tables = block_tables.contiguous(), lc = lens.contiguous();
   const int64_t seqs = q.size(0), heads = q.size(1), dk = q.size(2);
-  const int64_t kv_heads = key_cache.size(1), block = key_cache.size(2);
+  const int64_t block = key_cache.size(1), kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == dk && heads % kv_heads == 0, "paged_decode: q and cache head sizes disagree");
   TORCH_CHECK(value_dim <= vc.size(3), "paged_decode: value_dim exceeds the value cache");
   at::Tensor out = at::empty({seqs, heads, value_dim}, q.options());
@@ -325,10 +365,12 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
     using Q = decltype(q_tag);
     on_dtype(key_cache, "paged_decode", [&](auto cache_tag) {
       using C = decltype(cache_tag);
+      const DecodeShape shape{seqs, heads, kv_heads, block, dk, value_dim, tables.size(1),
+                              key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+                              vc.stride(0), vc.stride(1), vc.stride(2), static_cast<float>(scale)};
       auto run = [&](auto kernel) {
         kernel(qc.data_ptr<Q>(), key_cache.data_ptr<C>(), vc.data_ptr<C>(), tables.data_ptr<int64_t>(),
-               lc.data_ptr<int64_t>(), out.data_ptr<Q>(), lse.data_ptr<float>(), seqs, heads, kv_heads, block, dk,
-               value_dim, tables.size(1), key_cache.stride(0), vc.stride(0), vc.stride(2), static_cast<float>(scale));
+               lc.data_ptr<int64_t>(), out.data_ptr<Q>(), lse.data_ptr<float>(), shape);
       };
       if (dk == 64 && value_dim == 64) {
         run(decode_heads<Q, C, 64, 64>);
