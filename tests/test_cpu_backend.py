@@ -147,6 +147,14 @@ def test_a_failed_build_is_one_line_not_a_crash(tmp_path, monkeypatch):
     source.write_text("#error broken on purpose\n")
     problem = cpu_kernels.build_kernels(source, "dcpctl_broken_test")
     assert problem is not None and "\n" not in problem and "dcpctl_broken_test" in problem
+    log = cpu_kernels.kernels_dir() / "dcpctl_broken_test" / "error.log"
+    assert problem.endswith(str(log)) and "broken on purpose" in log.read_text()
+
+
+def test_no_compiler_is_named(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    problem = cpu_kernels.build_kernels(cpu_kernels.SOURCE, "dcpctl_no_compiler_test")
+    assert problem == "no C++ compiler 'no-such-compiler' on PATH; install g++ or set CXX"
 
 
 @pytest.mark.multiproc

@@ -45,6 +45,9 @@ def build_kernels(source: Path, name: str) -> str | None:
     """Compile (or load the cached build of) `source` as torch ops; None when loaded, else why not, in one line."""
     from torch.utils.cpp_extension import load
 
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler {compiler!r} on PATH; install g++ or set CXX"
     build_dir = kernels_dir() / name
     build_dir.mkdir(parents=True, exist_ok=True)
     lock = build_dir / "lock"
@@ -57,8 +60,10 @@ def build_kernels(source: Path, name: str) -> str | None:
     try:
         load(name, sources=[str(source)], extra_cflags=CFLAGS, build_directory=str(build_dir), is_python_module=False)
     except (OSError, RuntimeError, ImportError) as exc:
-        text = str(exc).strip()
-        return text.splitlines()[0] if text else type(exc).__name__
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        log = build_dir / "error.log"
+        log.write_text(f"{exc}\n")
+        return f"{first_line.split(': [')[0]}; the compiler's output: {log}"
     return None
 
 
