@@ -21,6 +21,7 @@ from engine.distributed import ParallelContext
 from engine.layers.attention import PagedAttention
 from engine.layers.cpu_gemm import pack_linears
 from engine.models import build_model
+from engine.models.base import inline_module_attributes
 from engine.models.loading import load_checkpoint
 from engine.step import StepPlan
 
@@ -68,6 +69,7 @@ class ModelRunner:
             torch.set_default_dtype(previous)
         load_checkpoint(self.model, folder, self.model.checkpoint_name_map)
         pack_linears(self.model)
+        inline_module_attributes(self.model)
         self.model.eval()
         self.cache_layout: CacheLayout | None = None
         self.kv_cache: torch.Tensor | None = None

@@ -69,3 +69,18 @@ def test_packed_linear_matches_f_linear(dtype, atol, rows):
 
 def test_half_weights_are_not_packed():
     assert not can_pack(torch.ones(4, 4, dtype=torch.float16))
+
+
+def test_inlined_attributes_are_the_modules_own_and_follow_reassignment():
+    from torch import nn
+
+    from engine.models.base import inline_module_attributes
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    inline_module_attributes(model)
+    first = model[0]
+    assert first.__dict__["weight"] is first._parameters["weight"] and model.__dict__["0"] is first
+    replacement = nn.Parameter(torch.zeros(4, 3))
+    first.weight = replacement  # nn.Module.__setattr__ must win over the inlined entry
+    assert first.weight is replacement and first._parameters["weight"] is replacement
+    assert torch.equal(first(torch.ones(1, 3)), first.bias.detach().view(1, 4))
