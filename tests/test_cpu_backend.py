@@ -169,3 +169,10 @@ def test_engine_without_its_kernels_matches_hf(tmp_path, tiny_models, monkeypatc
     records, _ = dcpctl_run(plan, prompts_file, tmp_path / "out.jsonl", tmp_path / "stats", new_tokens=16)
     for ids, record in zip(prompts, records, strict=True):
         assert record["token_ids"] == hf_greedy(folder, ids, 16)[0]
+
+
+def test_each_torch_install_gets_its_own_build(monkeypatch):
+    """Two venvs sharing ~/.cache/dcpctl/kernels must not rebuild over each other at every switch."""
+    here = cpu_kernels._build_tag()
+    monkeypatch.setattr(torch, "__file__", "/another/venv/lib/python3.11/site-packages/torch/__init__.py")
+    assert cpu_kernels._build_tag() != here

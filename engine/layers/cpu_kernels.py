@@ -26,14 +26,15 @@ STALE_LOCK_S = 600  # a build lock this old was left by a killed build; torch wo
 _log = logging.getLogger(__name__)
 
 
-def _cpu_tag() -> str:
-    """A short hash of this CPU's feature flags: a library built with -march=native runs only where they match."""
+def _build_tag() -> str:
+    """A short hash of what a build is only valid for: this CPU's feature flags (-march=native) and the torch
+    install it links against (a second venv sharing the cache would otherwise rebuild it at every switch)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         flags = next(line for line in lines if line.startswith(("flags", "Features")))
     except (OSError, StopIteration):
         flags = torch.backends.cpu.get_cpu_capability()
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+    return hashlib.sha1(f"{flags}|{torch.__version__}|{torch.__file__}".encode()).hexdigest()[:8]
 
 
 def kernels_dir() -> Path:
@@ -72,7 +73,7 @@ def cpu_kernels_available() -> bool:
     """Build (first time) and load the kernels; False, with a warning, where that is not possible."""
     if os.environ.get("DCPCTL_CPU_KERNELS", "1") == "0":
         return False
-    problem = build_kernels(SOURCE, f"dcpctl_cpu_kernels_{_cpu_tag()}")
+    problem = build_kernels(SOURCE, f"dcpctl_cpu_kernels_{_build_tag()}")
     if problem:
         _log.warning("dcpctl CPU kernels unavailable, using torch's (%s)", problem)
     return problem is None
