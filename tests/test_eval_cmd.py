@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from dcpctl import eval_cmd
 from engine.errors import UserError
-from evals.launch import PlanServer, ServerError
+from evals.launch import PlanServer, ServerStartError
 from tests.oracle import write_plan
 
 RUNNER = CliRunner()
@@ -168,7 +168,7 @@ def test_server_that_exits_fails_fast_with_its_error(tmp_path):
     plan = write_plan(tmp_path, tmp_path / "no-such-model")
     server = PlanServer(plan, [], health_timeout_s=120, log_path=tmp_path / "server.log", label="broken")
     t0 = time.perf_counter()
-    with pytest.raises(ServerError, match=r"plan broken: the server exited with code 1: .*no-such-model"), server:
+    with pytest.raises(ServerStartError, match=r"plan broken: the server exited with code 1: .*no-such-model"), server:
         pass
     assert time.perf_counter() - t0 < 60
     assert not server.alive()
