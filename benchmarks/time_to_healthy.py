@@ -1,4 +1,4 @@
-"""Seconds from `dcpctl run PLAN` (serving) to the first 200 from GET /health, per plan.
+"""Seconds from starting a plan's server (as `dcpctl eval`/`bench` do) to the first 200 from GET /health, per plan.
 
 Each plan is started and stopped `--repeats` times in turn (round-robin, so machine noise spreads
 over all plans); prints a markdown table of the best and median time.

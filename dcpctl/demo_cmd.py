@@ -8,8 +8,11 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from dcpctl.eval_cmd import EvalOptions, hub_reachable, make_console, resolve_data_dir, run_comparison
+from dcpctl.eval_view import run_comparison
+from dcpctl.render import make_console
 from engine.errors import UserError
+from evals.evaluate import EvalOptions
+from evals.tasks import hub_reachable, resolve_data_dir
 
 MODEL_ALIAS = "smollm2-135m-instruct"
 # The baseline first: every other column is compared against it.

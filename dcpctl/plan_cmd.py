@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dcpctl.args import split_plans_and_overrides
+from dcpctl.render import render_validation
 from engine import dcp
 from engine.kv_sizing import format_bytes
 from engine.plan.checks import PlanReport, validate_plan_file
@@ -18,12 +19,6 @@ from engine.plan.loader import plan_to_dict
 
 app = typer.Typer(help="Validate and inspect parallelism plans.", no_args_is_help=True)
 RANK_COLORS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
-
-
-def _kv_cell(report: PlanReport) -> str:
-    if report.kv is None:
-        return "-"
-    return f"{format_bytes(report.kv.bytes_per_rank)} / {report.kv.tokens_per_rank} tok"
 
 
 def report_to_dict(report: PlanReport) -> dict:
@@ -64,34 +59,6 @@ def report_to_dict(report: PlanReport) -> dict:
     return data
 
 
-def render_validation(console: Console, reports: list[PlanReport]) -> None:
-    """The validation table, then every error, warning and note under it."""
-    table = Table(title="Plan validation", header_style="bold")
-    for column in ("plan", "world", "tp", "dcp", "interleave", "block", "KV per rank", "status"):
-        table.add_column(column, justify="left" if column in ("plan", "status", "KV per rank") else "right")
-    for r in reports:
-        p = r.loaded.plan.parallel if r.loaded else None
-        status = Text("valid", style="green") if r.valid else Text(f"invalid ({len(r.errors)})", style="bold red")
-        table.add_row(
-            r.name,
-            str(r.world_size or "?"),
-            str(p.tp if p else "?"),
-            str(p.dcp if p else "?"),
-            str(p.interleave if p else "?"),
-            str(r.loaded.plan.cache.block_size if r.loaded else "?"),
-            _kv_cell(r),
-            status,
-        )
-    console.print(table)
-    for r in reports:
-        for e in r.errors:
-            console.print(Text.assemble(("error ", "bold red"), f"{r.name}: ", str(e)))
-        for w in r.warnings:
-            console.print(Text.assemble(("warning ", "yellow"), f"{r.name}: {w}"))
-        for n in r.notes:
-            console.print(Text.assemble(("note ", "dim"), f"{r.name}: {n}"))
-
-
 @app.command("validate")
 def validate(
     args: Annotated[list[str], typer.Argument(help="Plan files, then KEY=VALUE overrides for every plan.")],
@@ -110,7 +77,7 @@ def validate(
 
 def ownership_picture(length: int, block_size: int, interleave: int, dcp_size: int) -> Text:
     """Positions 0..length-1 coloured by owning DCP rank; '|' marks a virtual block boundary."""
-    span = block_size * dcp_size
+    span = dcp.tokens_per_virtual_block(block_size, dcp_size)
     per_row = span * max(1, 64 // span) if span <= 64 else 64
     text = Text()
     for row_start in range(0, length, per_row):
@@ -149,7 +116,7 @@ def _render_show(console: Console, report: PlanReport, positions: int) -> None:
         ranks = Table(title="Ranks", header_style="bold")
         for column in ("rank", "replica", "tp rank", "dcp group", "dcp rank", "kv heads", "device"):
             ranks.add_column(column, justify="right")
-        local = max(1, layout.world_size // max(1, plan.launch.nnodes))
+        local = report.local_world_size
         for role in layout.roles():
             device = "cpu" if report.device == "cpu" else f"cuda:{role.rank % local}"
             heads = "latent" if layout.is_mla else f"{role.kv_head_start}..{role.kv_head_start + role.kv_heads - 1}"
@@ -175,7 +142,7 @@ def _render_show(console: Console, report: PlanReport, positions: int) -> None:
         )
     console.print(
         f"ownership of positions 0..{positions - 1} by DCP rank (interleave {p.interleave}, "
-        f"block {c.block_size}, virtual block = {c.block_size * p.dcp} tokens):"
+        f"block {c.block_size}, virtual block = {dcp.tokens_per_virtual_block(c.block_size, p.dcp)} tokens):"
     )
     console.print(ownership_picture(positions, c.block_size, p.interleave, p.dcp))
 

@@ -9,7 +9,6 @@ from typing import Annotated
 import typer
 
 from dcpctl.args import split_plans_and_overrides
-from engine.errors import UserError
 
 
 def run(
@@ -30,21 +29,16 @@ def run(
 ) -> None:
     """Launch the plan's ranks (torchrun for more than one) and serve an OpenAI-compatible API,
     or generate for the given prompts and print a results table."""
-    from engine.llm import resolve_report
     from engine.offline import OfflineJob, read_prompts
+    from engine.serve_entry import serve, serving_report
 
     plans, overrides = split_plans_and_overrides(args)
     if len(plans) != 1:
         raise typer.BadParameter("dcpctl run takes one plan file")
-    report = resolve_report(plans[0], overrides)
-    if report.model is None:
-        raise UserError(
-            f"plan {report.name}: model folder {report.model_path} not found "
-            f"(run `dcpctl model pull {report.plan.model.path}` or fix model.path)"
-        )
+    report = serving_report(plans[0], overrides)
     prompts = list(prompt or []) + (read_prompts(prompts_file) if prompts_file else [])
     if not prompts:
-        return _serve(report, overrides)
+        return serve(report, overrides)
     params = {
         "max_tokens": max_tokens,
         "temperature": temperature,
@@ -73,16 +67,3 @@ def run(
         job.save(job_file)
         launch(report, overrides, ["--job-file", str(job_file)])
     return None
-
-
-def _serve(report, overrides: list[str]) -> None:
-    from engine.launcher import ensure_port_free, launch
-
-    serve = report.plan.serve
-    ensure_port_free(serve.host, serve.port, "serve.port")
-    if report.world_size == 1:
-        from engine.server import serve_plan
-
-        serve_plan(report)
-    else:
-        launch(report, overrides, ["--serve"])

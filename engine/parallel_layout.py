@@ -21,13 +21,14 @@ def kv_replication(tp: int, num_kv_heads: int, is_mla: bool) -> int:
     return tp // num_kv_heads if tp > num_kv_heads else 1
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The divisors of n, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def valid_dcp_sizes(replication: int, limit: int = 64) -> list[int]:
     """dcp values a TP layout with KV replication R allows: divisors and multiples of R."""
-    return sorted(set(_divisors(replication)) | set(range(replication, limit + 1, replication)))
+    return sorted(set(divisors(replication)) | set(range(replication, limit + 1, replication)))
 
 
 def layout_problems(tp: int, dcp: int, num_heads: int, num_kv_heads: int, is_mla: bool) -> list[tuple[str, str]]:
@@ -39,7 +40,7 @@ def layout_problems(tp: int, dcp: int, num_heads: int, num_kv_heads: int, is_mla
         problems.append(("parallel.dcp", f"parallel.dcp={dcp} must be >= 1"))
     if problems:
         return problems
-    valid_tp = [d for d in _divisors(num_heads) if is_mla or d % num_kv_heads == 0 or num_kv_heads % d == 0]
+    valid_tp = [d for d in divisors(num_heads) if is_mla or d % num_kv_heads == 0 or num_kv_heads % d == 0]
     if tp not in valid_tp:
         reason = (
             f"does not divide the model's {num_heads} attention heads"

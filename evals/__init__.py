@@ -1,2 +1,8 @@
-"""lm-eval glue: gsm8k task specs (tasks), synthetic data (synthetic), runs against a server
-(lm_eval_runner), plan comparison (compare) and its table/files (report). See NOTES.md for lm-eval facts."""
+"""Measuring plans and endpoints, as a library (dcpctl's eval, bench and demo commands draw it).
+
+Targets (targets) are plans or URLs; each lives through lifecycle: a plan's server launched through the engine's
+entry point (launch), healthy, measured, stopped, a crash blamed on the server; endpoint talks to a server and
+watches its engine stats. lm-eval on each target (evaluate, with resume; tasks, lm_eval_runner) gives EvalRuns
+(results) compared against the baseline (compare) into a table and files (report); bench/ is the throughput and
+latency run. See NOTES.md for lm-eval facts.
+"""

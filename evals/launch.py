@@ -1,7 +1,8 @@
-"""Start a plan's OpenAI-compatible server (`dcpctl run PLAN`) as a subprocess, wait for health, stop it.
+"""Start a plan's OpenAI-compatible server as a subprocess (the engine's entry point, `python -m
+engine.serve_entry PLAN`, which `dcpctl run PLAN` also serves through), wait for health, stop it.
 
 The server runs in its own session. torchrun puts each rank in a session of its own, so the process tree is
-remembered (psutil) and whatever of it outlives `dcpctl run` is killed on stop.
+remembered (psutil) and whatever of it outlives the server process is killed on stop.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ DEFAULT_HEALTH_TIMEOUT_S = 600.0
 _POLL_S = 0.2
 
 
-class ServerError(UserError):
+class ServerStartError(UserError):
     """The server did not become healthy (it exited, or timed out); the message carries its last log lines."""
 
 
@@ -67,7 +68,8 @@ def connect_host(host: str) -> str:
 
 
 class PlanServer:
-    """`dcpctl run PLAN [overrides] serve.port=PORT` as a subprocess; a context manager that waits for health.
+    """`python -m engine.serve_entry PLAN [overrides] serve.port=PORT` as a subprocess; a context manager that
+    waits for health.
 
     `time_to_healthy_s` is measured from process start to the first 200 from GET /health.
     """
@@ -105,15 +107,15 @@ class PlanServer:
 
     @property
     def command(self) -> list[str]:
-        """The command line: this interpreter's `dcpctl.cli run`, with the port last so it wins."""
-        return [sys.executable, "-m", "dcpctl.cli", "run", self.plan, *self.overrides, f"serve.port={self.port}"]
+        """The command line: this interpreter's `engine.serve_entry`, with the port last so it wins."""
+        return [sys.executable, "-m", "engine.serve_entry", self.plan, *self.overrides, f"serve.port={self.port}"]
 
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
     def alive(self) -> bool:
-        """True while the `dcpctl run` process has not exited."""
+        """True while the server process has not exited."""
         return self.proc is not None and self.proc.poll() is None
 
     def exit_reason(self) -> str | None:
@@ -160,7 +162,8 @@ class PlanServer:
         return self
 
     def wait_healthy(self) -> float:
-        """Poll GET /health until 200; return seconds since start. ServerError if the process exits or times out."""
+        """Poll GET /health until 200; return seconds since start. ServerStartError if the process exits or times
+        out."""
         assert self.proc is not None and self.started_at is not None, "start() first"
         deadline = self.started_at + self.health_timeout_s
         url = f"{self.base_url}/health"
@@ -168,7 +171,7 @@ class PlanServer:
             while True:
                 reason = self.exit_reason()
                 if reason is not None:
-                    raise ServerError(
+                    raise ServerStartError(
                         f"plan {self.label}: the server {reason} before it was healthy (log: {self.log_path})"
                     )
                 with contextlib.suppress(httpx.HTTPError):
@@ -178,7 +181,7 @@ class PlanServer:
                         return self.time_to_healthy_s
                 if time.perf_counter() > deadline:
                     self.stop()
-                    raise ServerError(
+                    raise ServerStartError(
                         f"plan {self.label}: the server was not healthy at {url} within {self.health_timeout_s:.0f} s "
                         f"(last log line: {last_line(self.log_path) or 'none'}); raise the health timeout "
                         f"or check {self.log_path}"
@@ -231,7 +234,7 @@ class PlanServer:
         self.processes()
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGINT)  # `dcpctl run` forwards it to torchrun and the ranks
+                self.proc.send_signal(signal.SIGINT)  # the server forwards it to torchrun and the ranks
             for sig, wait_s in ((None, grace_s), (signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
                 if sig is not None:
                     self._signal_group(sig)

@@ -11,57 +11,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from engine.errors import UserError
 from engine.io_utils import atomic_write_text
+from evals.endpoint import check_server, normalize_base_url
 from evals.results import EvalRun, Metric, SampleResult
 from evals.tasks import TaskSpec
 
-__all__ = [
-    "EvalRun",
-    "check_server",
-    "eval_run_from_lm_eval",
-    "normalize_base_url",
-    "run_gsm8k",
-]
-
-_ENDPOINT_SUFFIXES = ("/v1/chat/completions", "/v1/completions", "/v1")
-
-
-def normalize_base_url(base_url: str) -> str:
-    """Server root from any of 'http://h:p', '.../v1', '.../v1/completions', '.../v1/chat/completions'."""
-    url = base_url.strip().rstrip("/")
-    if not url.startswith(("http://", "https://")):
-        raise UserError(f"base URL {base_url!r} must start with http:// or https:// (e.g. http://127.0.0.1:8000)")
-    for suffix in _ENDPOINT_SUFFIXES:
-        if url.endswith(suffix):
-            return url[: -len(suffix)]
-    return url
-
-
-def check_server(base_url: str, timeout_s: float = 5.0) -> list[str]:
-    """Check the server answers; return the model ids of GET /v1/models ([] if only /health answers)."""
-    root = normalize_base_url(base_url)
-    # trust_env=False: lm-eval's aiohttp client ignores proxy variables too, so check the same route.
-    with httpx.Client(timeout=timeout_s, trust_env=False) as client:
-        try:
-            resp = client.get(f"{root}/v1/models")
-            if resp.status_code == 200:
-                data = resp.json().get("data", [])
-                return [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]
-            health = client.get(f"{root}/health")
-        except (httpx.HTTPError, ValueError) as exc:
-            raise UserError(
-                f"cannot reach the server at {root} ({type(exc).__name__}: {exc}); "
-                "start it with `dcpctl run PLAN` or pass the right --base-url"
-            ) from None
-    if health.status_code == 200:
-        return []
-    raise UserError(
-        f"server at {root} answered GET /v1/models with {resp.status_code} and /health with "
-        f"{health.status_code}; is it an OpenAI-compatible server? Check --base-url"
-    )
+__all__ = ["EvalRun", "eval_run_from_lm_eval", "run_gsm8k"]
 
 
 class _Usage:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import re
 from pathlib import Path
 
 from rich.table import Table
@@ -12,6 +11,7 @@ from rich.table import Table
 from engine.io_utils import atomic_write_bytes, atomic_write_text
 from evals.compare import Agreement, Comparison, PlanColumn
 from evals.results import EvalRun
+from evals.targets import plan_dir_names
 
 FIXED_HEADER = ["Dataset", "Version", "Filter", "n-shot", "Metric"]
 MAX_MD_DISAGREEMENTS = 20
@@ -179,18 +179,6 @@ def accuracy_png(cmp: Comparison) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()
-
-
-def plan_dir_names(labels: list[str]) -> list[str]:
-    """Folder-safe, unique names for plan labels (e.g. 'plans/tp2.yaml' -> 'plans_tp2.yaml')."""
-    names: list[str] = []
-    for label in labels:
-        base = re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("._") or "plan"
-        name, k = base, 2
-        while name in names:
-            name, k = f"{base}_{k}", k + 1
-        names.append(name)
-    return names
 
 
 def write_samples(run: EvalRun, plan_dir: Path) -> Path:

@@ -1,4 +1,5 @@
-"""lm-eval task specs for gsm8k: lm-eval's own (hub data) or a local YAML over a data directory.
+"""lm-eval task specs for gsm8k: lm-eval's own (hub data) or a local YAML over a data directory, and where the
+data comes from (--data-dir, $DCPCTL_GSM8K_DIR, the hub).
 
 lm-eval is not imported here (it costs ~2 s); the installed task YAMLs are located on disk instead.
 """
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +24,8 @@ SUPPORTED_TASKS: tuple[str, ...] = tuple(_BASE_YAMLS)
 SPLIT_FILES = ("test.jsonl", "train.jsonl")
 # Written by evals.synthetic next to its jsonl files; its presence marks the data as not GSM8K.
 SYNTHETIC_MARKER = "dataset_info.json"
+DATA_DIR_ENV = "DCPCTL_GSM8K_DIR"
+_OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,48 @@ def gsm8k_task(data_dir: Path | None, work_dir: Path, name: str = "gsm8k") -> Ta
         yaml_path=yaml_path.resolve(),
         synthetic=synthetic,
     )
+
+
+def resolve_data_dir(option: Path | None) -> Path | None:
+    """--data-dir, else $DCPCTL_GSM8K_DIR, else None (lm-eval's hub task)."""
+    if option is not None:
+        return option
+    env = os.environ.get(DATA_DIR_ENV, "").strip()
+    return Path(env) if env else None
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """False when HF offline mode is set or huggingface.co:443 does not accept a connection within timeout_s."""
+    for var in _OFFLINE_VARS:
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            return False
+    try:
+        with socket.create_connection(("huggingface.co", 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def prepare_task(name: str, data_dir: Path | None, work_dir: Path) -> TaskSpec:
+    """The task spec, with its dataset loaded once so that data problems surface before any launch."""
+    spec = gsm8k_task(data_dir, work_dir, name=name)
+    if spec.data_dir is None and not hub_reachable():
+        offline = any(os.environ.get(v) for v in _OFFLINE_VARS)
+        if not offline:
+            raise UserError(
+                f"no --data-dir (or ${DATA_DIR_ENV}) and huggingface.co is unreachable, so lm-eval's {name} "
+                "data can't be fetched; pass --data-dir DIR with GSM8K test.jsonl/train.jsonl "
+                "(or set HF_DATASETS_OFFLINE=1 to use a cached copy)"
+            )
+    try:
+        spec.task_manager().load([spec.name])
+    except Exception as exc:  # datasets / lm-eval raise many kinds; the message is what matters
+        where = spec.data_dir or "the Hugging Face hub"
+        raise UserError(
+            f"lm-eval could not load task {spec.name} from {where} ({type(exc).__name__}: {str(exc)[:300]}); "
+            "check --data-dir"
+        ) from None
+    return spec
 
 
 def _first_line(path: Path) -> str | None:

@@ -17,6 +17,7 @@ from engine.model_info import weight_elements
 from engine.plan.checks import validate_plan_file
 from evals.bench.client import RequestRecord, arrival_times, run_requests
 from evals.bench.metrics import compute_metrics, tpot_of
+from evals.bench.options import HF_LABEL
 from evals.bench.roofline import copy_bandwidth, decode_roofline
 from evals.bench.workload import build_workload, load_tokenizer, random_prompts, sampleable_ids
 from evals.launch import PlanServer
@@ -216,9 +217,9 @@ def test_bench_tp1_plan_and_hf_end_to_end(tmp_path, tiny_llama):
     for name in REPORT_FILES:
         assert (out / name).stat().st_size > 0
     assert (out / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "output tok/s" in text and "tp1" in text and bench_cmd.HF_LABEL in text
+    assert "output tok/s" in text and "tp1" in text and HF_LABEL in text
     data = json.loads((out / "bench.json").read_text())
-    assert [t["label"] for t in data["targets"]] == ["tp1", bench_cmd.HF_LABEL]
+    assert [t["label"] for t in data["targets"]] == ["tp1", HF_LABEL]
     report = validate_plan_file(str(plan), [])
     for target in data["targets"]:
         assert target["error"] is None

@@ -16,8 +16,11 @@ import pytest
 from typer.testing import CliRunner
 
 from dcpctl import eval_cmd
+from dcpctl.eval_view import run_comparison
 from engine.errors import UserError
-from evals.launch import PlanServer, ServerError
+from evals import evaluate, tasks
+from evals.launch import PlanServer, ServerStartError
+from evals.targets import Target
 from tests.oracle import write_plan
 
 RUNNER = CliRunner()
@@ -123,15 +126,15 @@ def test_unknown_task_and_bad_options_fail_before_launch(tmp_path, tiny_llama):
 
 def test_hub_reachable_honours_offline_mode(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert eval_cmd.hub_reachable(timeout_s=0.1) is False
+    assert tasks.hub_reachable(timeout_s=0.1) is False
 
 
 def test_data_dir_falls_back_to_env(monkeypatch, tmp_path):
-    monkeypatch.delenv(eval_cmd.DATA_DIR_ENV, raising=False)
-    assert eval_cmd.resolve_data_dir(None) is None
-    monkeypatch.setenv(eval_cmd.DATA_DIR_ENV, str(tmp_path))
-    assert eval_cmd.resolve_data_dir(None) == tmp_path
-    assert eval_cmd.resolve_data_dir(tmp_path / "x") == tmp_path / "x"
+    monkeypatch.delenv(tasks.DATA_DIR_ENV, raising=False)
+    assert tasks.resolve_data_dir(None) is None
+    monkeypatch.setenv(tasks.DATA_DIR_ENV, str(tmp_path))
+    assert tasks.resolve_data_dir(None) == tmp_path
+    assert tasks.resolve_data_dir(tmp_path / "x") == tmp_path / "x"
 
 
 def test_resume_only_reuses_matching_successful_runs(tmp_path, tiny_llama):
@@ -141,34 +144,34 @@ def test_resume_only_reuses_matching_successful_runs(tmp_path, tiny_llama):
     plan = write_plan(tmp_path, tiny_llama)
     from engine.plan.checks import validate_plan_file
 
-    target = eval_cmd.Target(spec=str(plan), label="p", report=validate_plan_file(plan))
+    target = Target(spec=str(plan), label="p", report=validate_plan_file(plan))
     task = TaskSpec(name="gsm8k_local", base="gsm8k", include_path=tmp_path, data_dir=tmp_path)
-    opts = eval_cmd.EvalOptions(limit=2, num_fewshot=1)
-    fp = eval_cmd.fingerprint(target, [], task, opts)
+    opts = evaluate.EvalOptions(limit=2, num_fewshot=1)
+    fp = evaluate.fingerprint(target, [], task, opts)
     run = EvalRun(
         label="p",
         task="gsm8k_local",
         metrics={"strict-match": Metric("exact_match", 0.5, 0.5)},
         samples=[SampleResult(doc_id=0, question="q", target="#### 1", generated=" 1")],
     )
-    eval_cmd.save_result(tmp_path / "p", fp, eval_cmd.TargetResult(target=target, run=run, launch={"port": 1}))
-    saved = eval_cmd.load_saved(tmp_path / "p", fp)
+    evaluate.save_result(tmp_path / "p", fp, evaluate.TargetEval(target=target, run=run, launch={"port": 1}))
+    saved = evaluate.load_saved(tmp_path / "p", fp)
     assert saved is not None and saved.reused and saved.run.samples[0].generated == " 1"
     assert saved.run.metrics["strict-match"].value == 0.5
-    other = eval_cmd.fingerprint(target, [], task, eval_cmd.EvalOptions(limit=3, num_fewshot=1))
-    assert eval_cmd.load_saved(tmp_path / "p", other) is None  # different limit: evaluate again
-    changed = eval_cmd.fingerprint(target, ["cache.block_size=32"], task, opts)
-    assert eval_cmd.load_saved(tmp_path / "p", changed) is None
+    other = evaluate.fingerprint(target, [], task, evaluate.EvalOptions(limit=3, num_fewshot=1))
+    assert evaluate.load_saved(tmp_path / "p", other) is None  # different limit: evaluate again
+    changed = evaluate.fingerprint(target, ["cache.block_size=32"], task, opts)
+    assert evaluate.load_saved(tmp_path / "p", changed) is None
     failed = EvalRun.failure("p", "engine crashed")
-    eval_cmd.save_result(tmp_path / "p", fp, eval_cmd.TargetResult(target=target, run=failed))
-    assert eval_cmd.load_saved(tmp_path / "p", fp) is None  # failed runs are never reused
+    evaluate.save_result(tmp_path / "p", fp, evaluate.TargetEval(target=target, run=failed))
+    assert evaluate.load_saved(tmp_path / "p", fp) is None  # failed runs are never reused
 
 
 def test_server_that_exits_fails_fast_with_its_error(tmp_path):
     plan = write_plan(tmp_path, tmp_path / "no-such-model")
     server = PlanServer(plan, [], health_timeout_s=120, log_path=tmp_path / "server.log", label="broken")
     t0 = time.perf_counter()
-    with pytest.raises(ServerError, match=r"plan broken: the server exited with code 1: .*no-such-model"), server:
+    with pytest.raises(ServerStartError, match=r"plan broken: the server exited with code 1: .*no-such-model"), server:
         pass
     assert time.perf_counter() - t0 < 60
     assert not server.alive()
@@ -211,7 +214,7 @@ def test_compare_tp1_and_dcp2_end_to_end_then_resume(tmp_path, tiny_llama):
         assert [r["doc_id"] for r in rows] == [0, 1, 2] and all(r["gold"] for r in rows)
         assert len((out / name / "lm_eval" / "lm_eval_samples.jsonl").read_text().splitlines()) == 6  # 2 filters
         assert "serving" in (out / name / "server.log").read_text()
-        saved = json.loads((out / name / eval_cmd.RUN_FILE).read_text())
+        saved = json.loads((out / name / evaluate.RUN_FILE).read_text())
         assert 0 < saved["launch"]["time_to_healthy_s"] < 120 and saved["launch"]["exit_code"] in (0, 130)
     samples = [json.loads(line) for line in (out / "tp1" / "samples.jsonl").read_text().splitlines()]
     assert [s["generated"] for s in samples] == [
@@ -259,10 +262,10 @@ def test_engine_crash_mid_eval_fails_that_column_only(tmp_path, tiny_llama):
     tp1, dcp2 = _plans(tmp_path, tiny_llama)
     after = str(write_plan(tmp_path, tiny_llama, {"cache.block_size": 32}, name="after.yaml"))
     out = tmp_path / "out"
-    opts = eval_cmd.EvalOptions(data_dir=write_gsm8k(tmp_path / "data"), limit=4, num_fewshot=1)
+    opts = evaluate.EvalOptions(data_dir=write_gsm8k(tmp_path / "data"), limit=4, num_fewshot=1)
     console = Console(record=True, width=200)
     KILLED.clear()
-    cmp, results = eval_cmd.run_comparison(
+    cmp, results = run_comparison(
         [tp1, dcp2, after], [], opts, output=out, console=console, on_server=_kill_rank1_after_first_tokens
     )
     assert len(KILLED) == 1

@@ -9,8 +9,9 @@ from pathlib import Path
 from rich.console import Console
 
 from evals.compare import compare_runs
-from evals.report import plan_dir_names, render_table, write_report
+from evals.report import render_table, write_report
 from evals.results import EvalRun, Metric, SampleResult
+from evals.targets import plan_dir_names
 
 
 def _run(label: str, texts: list[str], **kw) -> EvalRun:

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from engine.errors import UserError
-from evals.lm_eval_runner import check_server, eval_run_from_lm_eval, normalize_base_url, run_gsm8k
+from evals.endpoint import check_server, normalize_base_url
+from evals.lm_eval_runner import eval_run_from_lm_eval, run_gsm8k
 from evals.synthetic import write_synthetic_gsm8k
 from evals.tasks import TaskSpec, gsm8k_task
 

@@ -17,7 +17,7 @@ from engine.checkpoints.aliases import is_alias, resolve_model_path
 from engine.errors import UserError
 from engine.kv_sizing import KVSizing, format_bytes, kv_sizing, parse_memory
 from engine.model_info import ModelInfo, dtype_bytes, read_model_info
-from engine.parallel_layout import ParallelLayout, layout_problems
+from engine.parallel_layout import ParallelLayout, divisors, layout_problems
 from engine.plan.loader import LoadedPlan, PlanLoadError, PlanProblem, load_plan
 from engine.plan.schema import BACKENDS, DEVICES, DIST_BACKENDS, DTYPES, Plan
 
@@ -58,6 +58,21 @@ class PlanReport:
             return self.layout.world_size
         return None
 
+    @property
+    def local_world_size(self) -> int:
+        """Ranks each node starts: the world size over launch.nnodes (at least 1; 1 without a layout)."""
+        return max(1, (self.world_size or 1) // max(1, self.plan.launch.nnodes))
+
+    @property
+    def missing_model(self) -> str | None:
+        """Why the plan cannot run here for want of its model folder (None when the folder is there)."""
+        if self.model is not None:
+            return None
+        return (
+            f"plan {self.name}: model folder {self.model_path} not found "
+            f"(run `dcpctl model pull {self.plan.model.path}` or fix model.path)"
+        )
+
     def error(self, key: str, message: str) -> None:
         file, line = self.loaded.where(key) if self.loaded else (self.source, None)
         self.errors.append(PlanProblem(key, message, file, line))
@@ -72,10 +87,6 @@ def _choice(report: PlanReport, key: str, value: str, choices: tuple[str, ...]) 
     return False
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _check_static(report: PlanReport, plan: Plan) -> None:
     p, c, s, lch = plan.parallel, plan.cache, plan.scheduler, plan.launch
     if p.pp != 1:
@@ -86,7 +97,7 @@ def _check_static(report: PlanReport, plan: Plan) -> None:
         report.error(
             "parallel.interleave",
             f"parallel.interleave={p.interleave} does not divide cache.block_size={c.block_size}; "
-            f"use one of {', '.join(map(str, _divisors(c.block_size)))}",
+            f"use one of {', '.join(map(str, divisors(c.block_size)))}",
         )
     _choice(report, "model.dtype", plan.model.dtype, DTYPES)
     _choice(report, "cache.dtype", c.dtype, DTYPES)

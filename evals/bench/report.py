@@ -22,7 +22,7 @@ NONE = "-"
 
 
 @dataclass
-class TargetResult:
+class TargetBench:
     """One column: a plan, a URL or the HF reference, with what was measured (or why it failed)."""
 
     label: str
@@ -71,7 +71,7 @@ class BenchReport:
 
     settings: dict[str, Any]
     workload: dict[str, Any]
-    targets: list[TargetResult]
+    targets: list[TargetBench]
     bandwidth_bytes_s: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -87,7 +87,7 @@ class BenchReport:
 
 # --- the grid -----------------------------------------------------------------------------------------------
 
-Getter = Callable[[TargetResult], float | None]
+Getter = Callable[[TargetBench], float | None]
 
 
 def _metric(fn: Callable[[BenchMetrics], float | None]) -> Getter:
@@ -95,7 +95,7 @@ def _metric(fn: Callable[[BenchMetrics], float | None]) -> Getter:
 
 
 def _ms(stat: Callable[[BenchMetrics], Stat], part: str) -> Getter:
-    def get(t: TargetResult) -> float | None:
+    def get(t: TargetBench) -> float | None:
         if t.metrics is None:
             return None
         value = getattr(stat(t.metrics), part)
@@ -137,7 +137,7 @@ def _ratio(value: float | None, base: float | None) -> str:
     return f" (×{value / base:.2f})"
 
 
-def _requests_cell(t: TargetResult) -> str:
+def _requests_cell(t: TargetBench) -> str:
     if t.failed and t.metrics is None:
         return "FAILED"
     m = t.metrics
@@ -145,7 +145,7 @@ def _requests_cell(t: TargetResult) -> str:
     return f"{m.completed} ok" + (f", {m.failed} failed" if m.failed else "")
 
 
-def _blocks_cell(t: TargetResult) -> str:
+def _blocks_cell(t: TargetBench) -> str:
     if t.peak_kv_blocks is None:
         return NONE
     return f"{t.peak_kv_blocks} / {t.num_blocks}" if t.num_blocks else str(t.peak_kv_blocks)
@@ -263,7 +263,7 @@ def _png(fig: Any) -> bytes:
     return buf.getvalue()
 
 
-def _mark_failed(ax: Any, x: float, t: TargetResult) -> None:
+def _mark_failed(ax: Any, x: float, t: TargetBench) -> None:
     ax.text(x, 0, f"{t.label}: failed", rotation=90, ha="center", va="bottom", fontsize=8, color="red")
 
 

@@ -1,0 +1,61 @@
+"""`python -m engine.serve_entry PLAN [KEY=VALUE ...]`: serve a plan's OpenAI-compatible API.
+
+The engine's own entry point for serving, without the `dcpctl` command line: `dcpctl run PLAN` (no prompts) calls
+the same functions, and evals starts the plans it measures through it. Once healthy it prints
+`serving NAME on http://HOST:PORT ...`; a user error prints `error: ...` and exits 1; SIGINT stops every rank
+(exit 0 for one rank, 130 when it interrupts torchrun); bad arguments exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine.errors import UserError
+from engine.plan.checks import PlanReport
+
+
+def serving_report(plan: str, overrides: list[str]) -> PlanReport:
+    """The validated plan, with its model folder present; UserError otherwise."""
+    from engine.llm import resolve_report
+
+    report = resolve_report(plan, overrides)
+    if report.missing_model:
+        raise UserError(report.missing_model)
+    return report
+
+
+def serve(report: PlanReport, overrides: list[str]) -> None:
+    """Serve the plan until SIGINT/SIGTERM: in this process for one rank, else its ranks under torchrun."""
+    from engine.launcher import ensure_port_free, launch
+
+    serve_cfg = report.plan.serve
+    ensure_port_free(serve_cfg.host, serve_cfg.port, "serve.port")
+    if report.world_size == 1:
+        from engine.server import serve_plan
+
+        serve_plan(report)
+    else:
+        launch(report, overrides, ["--serve"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse `PLAN [KEY=VALUE ...]`, serve, and return the exit code."""
+    parser = argparse.ArgumentParser(
+        prog="python -m engine.serve_entry", description="Serve a plan's OpenAI-compatible API."
+    )
+    parser.add_argument("plan", help="a plan file")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="plan fields to override")
+    args = parser.parse_args(argv)
+    try:
+        serve(serving_report(args.plan, args.overrides), args.overrides)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

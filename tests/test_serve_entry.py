@@ -1,0 +1,67 @@
+"""`python -m engine.serve_entry PLAN`: the engine's own way to serve a plan behaves as `dcpctl run PLAN` does
+(same error lines and exit codes), and serves the plan until SIGINT (exit 0)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from evals.launch import PlanServer
+from tests.oracle import write_plan
+
+ENTRY = [sys.executable, "-m", "engine.serve_entry"]
+DCPCTL_RUN = [sys.executable, "-m", "dcpctl.cli", "run"]
+
+
+def _run(cmd: list[str]) -> tuple[int, str]:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    return proc.returncode, " ".join(proc.stderr.split())  # rich wraps dcpctl's error line
+
+
+@pytest.fixture
+def tiny_llama(tiny_models) -> Path:
+    return tiny_models("llama", num_layers=1)
+
+
+def test_missing_model_is_the_same_error_as_dcpctl_run(tmp_path):
+    plan = str(write_plan(tmp_path, tmp_path / "no-such-model", name="nomodel.yaml"))
+    code, err = _run([*ENTRY, plan])
+    assert code == 1
+    assert err.startswith("error: plan nomodel: model folder") and "no-such-model not found" in err
+    assert "dcpctl model pull" in err and "Traceback" not in err
+    assert _run([*DCPCTL_RUN, plan]) == (code, err)
+
+
+def test_invalid_plan_and_busy_port_fail_as_dcpctl_run(tmp_path, tiny_llama):
+    bad = str(write_plan(tmp_path, tiny_llama, {"parallel.interleave": 3}, name="bad.yaml"))
+    code, err = _run([*ENTRY, bad])
+    assert code == 1 and err.startswith("error: plan bad is invalid:") and "interleave" in err
+    assert _run([*DCPCTL_RUN, bad]) == (code, err)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = f"serve.port={busy.getsockname()[1]}"
+        plan = str(write_plan(tmp_path, tiny_llama))
+        code, err = _run([*ENTRY, plan, taken])
+        assert code == 1 and f"error: {taken} on 127.0.0.1 is already in use" in err
+        assert _run([*DCPCTL_RUN, plan, taken]) == (code, err)
+
+
+def test_usage_errors_exit_2():
+    assert _run(ENTRY)[0] == 2
+    assert _run(DCPCTL_RUN)[0] == 2
+
+
+def test_serves_the_plan_until_sigint(tmp_path, tiny_llama):
+    plan = write_plan(tmp_path, tiny_llama, {"serve.model_name": "tiny"})
+    with PlanServer(plan, log_path=tmp_path / "server.log") as server:
+        assert server.command[1:3] == ["-m", "engine.serve_entry"]
+        models = httpx.get(f"{server.base_url}/v1/models", trust_env=False).json()["data"]
+        assert [m["id"] for m in models] == ["tiny"]
+    assert server.returncode == 0
+    assert f"serving tiny on {server.base_url}" in (tmp_path / "server.log").read_text()
