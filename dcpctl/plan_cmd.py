@@ -83,13 +83,13 @@ def render_validation(console: Console, reports: list[PlanReport]) -> None:
             status,
         )
     console.print(table)
-    for r in reports:
+    for r in reports:  # one line each, however narrow the terminal (soft_wrap: the terminal wraps, not rich)
         for e in r.errors:
-            console.print(Text.assemble(("error ", "bold red"), f"{r.name}: ", str(e)))
+            console.print(Text.assemble(("error ", "bold red"), f"{r.name}: ", str(e)), soft_wrap=True)
         for w in r.warnings:
-            console.print(Text.assemble(("warning ", "yellow"), f"{r.name}: {w}"))
+            console.print(Text.assemble(("warning ", "yellow"), f"{r.name}: {w}"), soft_wrap=True)
         for n in r.notes:
-            console.print(Text.assemble(("note ", "dim"), f"{r.name}: {n}"))
+            console.print(Text.assemble(("note ", "dim"), f"{r.name}: {n}"), soft_wrap=True)
 
 
 @app.command("validate")
