@@ -1,6 +1,7 @@
-"""HTTP guards of the OpenAI app: a request body size limit and the JSON parsing of request bodies.
+"""HTTP plumbing of the OpenAI app: a request body size limit, the JSON parsing of request bodies, and the error
+responses its OpenAPI document declares.
 
-Both answer in OpenAI's error shape through the app's HTTPException handler: a body over the limit is a 413
+The guards answer in OpenAI's error shape through the app's HTTPException handler: a body over the limit is a 413
 before the app reads it, and a body that is not UTF-8 JSON (or nests too deeply to parse) is a 400 that says why.
 """
 
@@ -9,13 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.api_protocol import error_body, parse_json_body
+from engine.api_protocol import ErrorResponse, error_body, parse_json_body
 from engine.errors import UserError
 
 
@@ -79,3 +81,34 @@ class JSONRoute(APIRoute):
             return await handler(_JSONRequest(request.scope, request.receive))
 
         return route
+
+
+_ERROR_STATUSES = {  # what each error status means, for /openapi.json
+    400: "an invalid request (the message names the field)",
+    404: "an unknown model",
+    413: "a request body over the size limit",
+    500: "the request failed in the engine",
+    503: "the server is shutting down or the engine failed",
+}
+
+
+def document_400_not_422(app: FastAPI) -> None:
+    """FastAPI documents its validation errors as 422; this server answers them with 400 (OpenAI's status)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            for operations in schema["paths"].values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": text} for status, text in _ERROR_STATUSES.items()
+}

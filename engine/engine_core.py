@@ -263,7 +263,7 @@ class LLMEngine:
         """Stop a request and free its blocks (no-op if it already finished)."""
         seq = self.requests.pop(request_id, None)
         if seq is not None and not seq.is_finished:
-            self._finish(seq, "abort")
+            self._finish(seq, "abort", flush=False)  # nobody reads its text: nothing to detokenize (or fail)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

@@ -33,7 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.api_http import BodyLimitMiddleware, JSONRoute
+from engine.api_http import ERROR_RESPONSES, BodyLimitMiddleware, JSONRoute, document_400_not_422
 from engine.api_protocol import (
     MAX_BODY_BYTES,
     MAX_CHOICES,
@@ -41,7 +41,6 @@ from engine.api_protocol import (
     CompletionLogprobs,
     CompletionRequest,
     DetokenizeRequest,
-    ErrorResponse,
     TokenizeRequest,
     chat_logprobs,
     context_overflow,
@@ -450,32 +449,6 @@ def _server_error_response(exc: ServerError):
     return JSONResponse(error_body(str(exc), exc.status, exc.param, exc.code), status_code=exc.status)
 
 
-_ERROR_STATUSES = {
-    400: "an invalid request (the message names the field)",
-    404: "an unknown model",
-    413: "a request body over the size limit",
-    500: "the request failed in the engine",
-    503: "the server is shutting down or the engine failed",
-}
-
-
-def _document_400_not_422(app: FastAPI) -> None:
-    """FastAPI documents its validation errors as 422; this server answers them with 400 (OpenAI's status)."""
-    build = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = build()
-            for operations in schema["paths"].values():
-                for operation in operations.values():
-                    operation.get("responses", {}).pop("422", None)
-            for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
-        return app.openapi_schema
-
-    app.openapi = openapi
-
-
 class OpenAIServer:
     """The FastAPI app over an `EngineLoop`, with the request handlers."""
 
@@ -523,17 +496,16 @@ class OpenAIServer:
             logger.error("unexpected error while handling a request", exc_info=exc)
             return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", 500), status_code=500)
 
-        errors = {status: {"model": ErrorResponse, "description": text} for status, text in _ERROR_STATUSES.items()}
         streamed = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or server-sent events"}}
         app.get("/health")(self.health)
         app.get("/v1/models")(self.models)
         app.get("/v1/engine/stats")(self.engine_stats)
         app.get("/tokenizer_info")(self.tokenizer_info)
-        app.post("/tokenize", responses=errors)(self.tokenize)
-        app.post("/detokenize", responses=errors)(self.detokenize)
-        app.post("/v1/completions", responses={**errors, **streamed})(self.completions)
-        app.post("/v1/chat/completions", responses={**errors, **streamed})(self.chat_completions)
-        _document_400_not_422(app)
+        app.post("/tokenize", responses=ERROR_RESPONSES)(self.tokenize)
+        app.post("/detokenize", responses=ERROR_RESPONSES)(self.detokenize)
+        app.post("/v1/completions", responses={**ERROR_RESPONSES, **streamed})(self.completions)
+        app.post("/v1/chat/completions", responses={**ERROR_RESPONSES, **streamed})(self.chat_completions)
+        document_400_not_422(app)
         return app
 
     def _check_model(self, name: str | None) -> None:
