@@ -280,7 +280,8 @@ def context_overflow(name: str, max_tokens: int, prompt_tokens: int, max_model_l
     if prompt_tokens >= max_model_len or prompt_tokens + max_tokens <= max_model_len:
         return None
     return (
-        f"{name}={max_tokens} is too large: the prompt has {prompt_tokens} tokens and the context length "
+        f"{name}={max_tokens} is too large: the prompt has {prompt_tokens} token{'s' * (prompt_tokens != 1)} "
+        "and the context length "
         f"(max_model_len) is {max_model_len}, so at most {max_model_len - prompt_tokens} new tokens fit; "
         f"lower {name}"
     )
