@@ -81,7 +81,8 @@ def _listing(values: list[int], limit: int = 16) -> str:
 
 
 def _divisors(n: int) -> list[int]:
-    """The divisors of n, in order (trial division up to sqrt(n): a huge n in a plan must not hang)."""
+    """The divisors of n, in order, by trial division up to sqrt(n) (capped at 10**6 so that a huge n in a plan
+    cannot hang the check; past 10**12 the list, only a hint, may miss large divisors)."""
     small = [d for d in range(1, min(math.isqrt(n), 10**6) + 1) if n % d == 0]
     return sorted({*small, *(n // d for d in small)})
 
