@@ -30,7 +30,7 @@ def main() -> None:
     try:
         app(standalone_mode=True)
     except UserError as exc:
-        Console(stderr=True).print(Text.assemble(("error: ", "bold red"), str(exc)), highlight=False)
+        Console(stderr=True).print(Text.assemble(("error: ", "bold red"), str(exc)), highlight=False, soft_wrap=True)
         sys.exit(1)
 
 

@@ -56,11 +56,11 @@ def render_validation(console: Console, reports: list[PlanReport]) -> None:
     console.print(table)
     for r in reports:
         for e in r.errors:
-            console.print(Text.assemble(("error ", "bold red"), f"{r.name}: ", str(e)))
+            console.print(Text.assemble(("error ", "bold red"), f"{r.name}: ", str(e)), soft_wrap=True)
         for w in r.warnings:
-            console.print(Text.assemble(("warning ", "yellow"), f"{r.name}: {w}"))
+            console.print(Text.assemble(("warning ", "yellow"), f"{r.name}: {w}"), soft_wrap=True)
         for n in r.notes:
-            console.print(Text.assemble(("note ", "dim"), f"{r.name}: {n}"))
+            console.print(Text.assemble(("note ", "dim"), f"{r.name}: {n}"), soft_wrap=True)
 
 
 def checked_targets(specs: list[str], overrides: list[str], console: Console) -> list[Target]:
@@ -70,7 +70,7 @@ def checked_targets(specs: list[str], overrides: list[str], console: Console) ->
         render_validation(console, check.reports)
     if check.problems:
         for p in check.problems:
-            console.print(Text.assemble(("error ", "bold red"), p))
+            console.print(Text.assemble(("error ", "bold red"), p), soft_wrap=True)
         raise UserError(
             f"{len(check.problems)} problem(s) in the targets above; fix them (nothing was launched, no eval was run)"
         )

@@ -1,28 +1,46 @@
-"""OpenAI-compatible request models and response pieces for the server (plain data, no threads, no torch).
+"""OpenAI-compatible request models, their validation, and response pieces for the server (plain data, no threads,
+no torch).
 
-Requests accept what the OpenAI and vLLM clients send; unknown fields are ignored, but known sampling
-options the engine cannot honour (penalties, logit_bias, best_of, ...) are rejected with a 400 rather than
-silently changing the results.
+The request models are what FastAPI's OpenAPI document (`/openapi.json`) shows clients. Requests accept what the
+OpenAI and vLLM clients send; unknown fields are ignored, but known sampling options the engine cannot honour
+(penalties, logit_bias, best_of, ...) are rejected with a 400 rather than silently changing the results. Numbers
+must be finite (Python's JSON parser takes NaN and Infinity) and within their documented ranges.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.errors import UserError
-from engine.sequence import SamplingParams, TokenLogprob
+from engine.sequence import MAX_LOGPROBS, SEED_RANGE, SamplingParams, TokenLogprob
 
 MAX_N = 128  # choices per prompt; more is almost surely a client bug and would flood the batch
+MAX_CHOICES = 4096  # prompts x n of one request: each is a sequence the engine holds until it finishes
+MAX_BODY_BYTES = 32 * 2**20  # a request body; a max_model_len prompt of token ids is well under 1 MiB
+ROLES = ("system", "user", "assistant", "tool", "function", "developer")  # OpenAI's chat roles
+
+# finite numbers only, unknown fields ignored
+_REQUEST_CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+_StopString = Annotated[str, Field(min_length=1)]
+
+
+def _unsupported(neutral: float, also: str = "") -> Any:
+    """A known OpenAI/vLLM option the engine does not implement: documented (and accepted) at its neutral value."""
+    note = f"not supported: only {neutral}{' ' + also if also else ''} (or unset)"
+    return Field(None, description=note, json_schema_extra={"enum": [neutral, None]})
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST_CONFIG
 
     include_usage: bool = False
 
@@ -30,29 +48,31 @@ class StreamOptions(BaseModel):
 class _Request(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST_CONFIG
 
     model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    n: int = 1
+    temperature: float | None = Field(None, ge=0, description="0 is greedy (the default is 1)")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0: off")
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: _StopString | list[_StopString] | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     # vLLM extensions
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (distinct ids never collide)
     # known options the engine does not implement: accepted only at their neutral values
-    best_of: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    min_tokens: int | None = None
-    min_p: float | None = None
+    best_of: int | None = _unsupported(1, "or equal to n")
+    presence_penalty: float | None = _unsupported(0)
+    frequency_penalty: float | None = _unsupported(0)
+    repetition_penalty: float | None = _unsupported(1)
+    logit_bias: dict[str, float] | None = Field(
+        None, description="not supported: only {} (or unset)", json_schema_extra={"maxProperties": 0}
+    )
+    min_tokens: int | None = _unsupported(0)
+    min_p: float | None = _unsupported(0)
 
     def check_supported(self) -> None:
         """UserError for an option set to a value the engine cannot honour."""
@@ -71,8 +91,6 @@ class _Request(BaseModel):
             raise UserError(f"best_of={self.best_of} is not supported; leave it unset and use n for several choices")
         if self.logit_bias:
             raise UserError("logit_bias is not supported by this server; leave it unset")
-        if not 1 <= self.n <= MAX_N:
-            raise UserError(f"n={self.n} must be between 1 and {MAX_N}")
 
     @property
     def include_usage(self) -> bool:
@@ -102,11 +120,15 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="text, a list of texts, token ids, or a list of token-id lists"
+    )
+    max_tokens: int | None = Field(16, ge=0, description="at most the context length minus the prompt's tokens")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
+    suffix: str | None = Field(
+        None, description="not supported: only empty (or unset)", json_schema_extra={"enum": ["", None]}
+    )
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -115,9 +137,9 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)  # extra fields (name, ...) go to the template
 
-    role: str
+    role: Literal[ROLES]
     content: str | list[dict[str, Any]] | None = None
 
     def as_template_input(self) -> dict[str, Any]:
@@ -141,10 +163,10 @@ class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=0, description="default: up to the context length")
+    max_completion_tokens: int | None = Field(None, ge=0, description="OpenAI's newer name for max_tokens")
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True  # vLLM extension
 
     def logprobs_count(self) -> int | None:
@@ -154,7 +176,7 @@ class ChatCompletionRequest(_Request):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST_CONFIG
 
     model: str | None = None
     prompt: str
@@ -162,10 +184,107 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST_CONFIG
 
     model: str | None = None
     tokens: list[int]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape: the body of every 4xx and 5xx answer."""
+
+    error: ErrorDetail
+
+
+# ---- request validation ----
+
+
+def parse_json_body(body: bytes) -> Any:
+    """A request body as JSON; UserError (one line) for invalid UTF-8, invalid JSON, or nesting too deep to parse."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(
+            f"the request body is not UTF-8 (byte {body[exc.start]:#04x} at offset {exc.start}); send UTF-8 JSON"
+        ) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"the request body is not valid JSON ({exc}); send a JSON object") from None
+    except RecursionError:
+        raise UserError("the request body nests JSON too deeply to parse; send a JSON object of plain fields") from None
+
+
+_UNION_FIELDS = {  # what to say for a field that takes several forms (pydantic reports one error per form)
+    "prompt": "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "stop must be a non-empty string or a list of non-empty strings",
+}
+
+
+def _is_union_tag(part: str) -> bool:
+    """pydantic names the member of a union that failed in an error's location ('str', 'list[int]', ...)."""
+    return part in ("str", "int", "float", "bool") or "[" in part or "-" in part
+
+
+def _error_line(err: dict) -> tuple[str | None, str]:
+    """(the top-level field, one line) for one pydantic error."""
+    path: list[str] = []
+    for part in err.get("loc", ()):
+        if isinstance(part, int):
+            path.append(str(part))
+        elif part == "body" and not path:
+            continue
+        elif _is_union_tag(part):
+            break
+        else:
+            path.append(part)
+    if not path:
+        if err.get("type") == "missing":
+            return None, "the request body is empty; send a JSON object"
+        return None, "the request body must be a JSON object (sent with Content-Type: application/json)"
+    root, where = path[0], ".".join(path)
+    if root in _UNION_FIELDS:
+        return root, _UNION_FIELDS[root]
+    value = err.get("input")
+    if err.get("type") != "missing" and isinstance(value, str | int | float | bool):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        return root, f"{where}={shown}: {err.get('msg')}"
+    return root, f"{where}: {err.get('msg')}"
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """One line from pydantic errors ('invalid request: field=value: problem; ...') and the first field's name."""
+    parts: list[str] = []
+    roots: list[str | None] = []
+    for err in errors:
+        root, line = _error_line(err)
+        if root in roots:
+            continue
+        roots.append(root)
+        parts.append(line)
+    return "invalid request: " + "; ".join(parts[:4]), roots[0] if roots else None
+
+
+def context_overflow(name: str, max_tokens: int, prompt_tokens: int, max_model_len: int) -> str | None:
+    """Why `max_tokens` new tokens cannot follow a prompt of `prompt_tokens` in the context, or None if they fit.
+
+    A prompt that fills the context alone is the engine's to report (its message names both numbers).
+    """
+    if prompt_tokens >= max_model_len or prompt_tokens + max_tokens <= max_model_len:
+        return None
+    return (
+        f"{name}={max_tokens} is too large: the prompt has {prompt_tokens} token{'s' * (prompt_tokens != 1)} "
+        "and the context length "
+        f"(max_model_len) is {max_model_len}, so at most {max_model_len - prompt_tokens} new tokens fit; "
+        f"lower {name}"
+    )
 
 
 # ---- responses ----

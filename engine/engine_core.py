@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -27,11 +28,13 @@ from engine.kv_sizing import kv_sizing, parse_memory
 from engine.model_info import dtype_bytes
 from engine.model_runner import DTYPES, CacheLayout, ModelRunner, StepLogits
 from engine.plan.checks import PlanReport
-from engine.sampler import sample, token_logprobs
+from engine.sampler import INVALID, sample, token_logprobs
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SamplingParams, Sequence
 from engine.step import StepPlan
 from engine.weights import checkpoint_files
+
+logger = logging.getLogger("dcpctl.engine")
 
 
 @dataclass(frozen=True)
@@ -260,7 +263,7 @@ class LLMEngine:
         """Stop a request and free its blocks (no-op if it already finished)."""
         seq = self.requests.pop(request_id, None)
         if seq is not None and not seq.is_finished:
-            self._finish(seq, "abort")
+            self._finish(seq, "abort", flush=False)  # nobody reads its text: nothing to detokenize (or fail)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -285,35 +288,80 @@ class LLMEngine:
         return self._process(plan, seqs, result)
 
     def _process(self, plan: StepPlan, seqs: list[Sequence], result: StepLogits | None) -> list[Sequence]:
+        """Sample, detokenize and check stops for the step's sequences.
+
+        A failure in that work for one sequence finishes only that sequence (finish_reason "error", blocks freed);
+        the batch goes on. The other ranks need no word of it: they keep no per-sequence state, and the failed
+        sequence is simply absent from the next step.
+        """
         updated: list[Sequence] = []
         sampled_rows, sampled_seqs = [], []
         for i, (seq, chunk) in enumerate(zip(seqs, plan.chunks, strict=True)):
             first, count = result.chunk_rows[i] if result else (0, 0)
             if chunk.prompt_logprobs and count:
-                self._record_prompt_logprobs(seq, chunk.start, result.logits[first : first + count])
+                try:
+                    self._record_prompt_logprobs(seq, chunk.start, result.logits[first : first + count])
+                except Exception as exc:
+                    self._fail(seq, "computing prompt logprobs", exc)
+                    updated.append(seq)
+                    continue
             if chunk.sample:
                 sampled_rows.append(first + count - 1)
                 sampled_seqs.append(seq)
         if not sampled_seqs:
             return updated
         logits = result.logits[sampled_rows]
-        params = [s.params for s in sampled_seqs]
-        tokens = sample(logits, params, [self.generators.get(s.seq_id) for s in sampled_seqs]).tolist()
+        tokens = self._sample(logits, sampled_seqs)
         now = time.perf_counter()
         for row, (seq, token) in enumerate(zip(sampled_seqs, tokens, strict=True)):
-            if seq.params.max_tokens == 0:
-                self._finish(seq, "length")
-                updated.append(seq)
-                continue
-            if seq.params.logprobs is not None:
-                seq.logprobs.extend(token_logprobs(logits[row : row + 1], [token], seq.params.logprobs))
-            seq.token_ids.append(token)
-            self.stats.generated_tokens += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            self._check_stop(seq, token)
             updated.append(seq)
+            if isinstance(token, Exception):
+                self._fail(seq, "sampling", token)
+                continue
+            if token == INVALID:
+                self._fail(seq, "sampling", "the next-token distribution has NaN or infinite values")
+                continue
+            try:
+                if seq.params.max_tokens == 0:
+                    self._finish(seq, "length")
+                    continue
+                if seq.params.logprobs is not None:
+                    seq.logprobs.extend(token_logprobs(logits[row : row + 1], [token], seq.params.logprobs))
+                seq.token_ids.append(token)
+                self.stats.generated_tokens += 1
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                self._check_stop(seq, token)
+            except Exception as exc:
+                if seq.is_finished:  # it failed after the scheduler released it: the engine's own state is suspect
+                    raise
+                self._fail(seq, "detokenizing or checking stops", exc)
         return updated
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
+        """A token (or `INVALID`) per row; if the batch raises, each row alone, so only the rows at fault fail."""
+        params = [s.params for s in seqs]
+        generators = [self.generators.get(s.seq_id) for s in seqs]
+        try:
+            return sample(logits, params, generators).tolist()
+        except Exception:
+            logger.exception("sampling a batch of %d failed; sampling its rows one by one", len(seqs))
+        tokens: list[int | Exception] = []
+        for row in range(len(seqs)):
+            try:
+                tokens.append(int(sample(logits[row : row + 1], params[row : row + 1], generators[row : row + 1])[0]))
+            except Exception as exc:
+                tokens.append(exc)
+        return tokens
+
+    def _fail(self, seq: Sequence, stage: str, error: Exception | str) -> None:
+        """Finish one sequence with finish_reason "error" and the reason; its blocks are freed."""
+        exc_info = error if isinstance(error, Exception) else None
+        if exc_info is not None:
+            error = f"{type(error).__name__}: {error}"
+        logger.error("request %s failed while %s: %s", seq.request_id, stage, error, exc_info=exc_info)
+        seq.error = f"{stage} failed: {error}"
+        self._finish(seq, "error", flush=False)
 
     def _record_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
         if not seq.prompt_logprobs:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -30,6 +31,8 @@ def parse_memory(text: str) -> tuple[int | None, float | None]:
     if not match or unit not in _UNITS:
         raise UserError(f"cache.memory={text!r} is not a size like '2GiB', '512MiB' or a fraction like 0.5")
     value = float(match.group(1))
+    if not math.isfinite(value):
+        raise UserError(f"cache.memory={text!r} is not a finite size")
     if not unit and value <= 1.0:
         if value <= 0:
             raise UserError(f"cache.memory={text!r} must be positive")
@@ -39,6 +42,8 @@ def parse_memory(text: str) -> tuple[int | None, float | None]:
 
 def format_bytes(n: float) -> str:
     """Human-readable binary size, e.g. '1.5 GiB'."""
+    if abs(n) >= 1024**5:  # whole TiB in integer math: a huge int (a plan's typo) overflows a float division
+        return f"{int(n // 1024**4)} TiB"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -35,7 +35,7 @@ class RequestOutput:
     num_preemptions: int
     ttft_s: float | None
     latency_s: float | None
-    error: str | None = None  # why the request was rejected (finish_reason "error")
+    error: str | None = None  # why the request was rejected or failed (finish_reason "error")
 
     @classmethod
     def rejected(cls, prompt: str | list[int], reason: str) -> RequestOutput:
@@ -74,6 +74,7 @@ class RequestOutput:
             num_preemptions=seq.num_preemptions,
             ttft_s=ttft,
             latency_s=latency,
+            error=seq.error,
         )
 
 
@@ -114,8 +115,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs in input order.
 
-        A prompt that cannot run (too long, bad ids, bad parameters) gets an output with finish_reason
-        "error" and the reason in `error`; the others run.
+        A prompt that cannot run (too long, bad ids, bad parameters), or whose sampling or detokenization
+        fails, gets an output with finish_reason "error" and the reason in `error`; the others run.
         """
         if isinstance(prompts, str):
             prompts = [prompts]

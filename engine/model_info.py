@@ -103,9 +103,16 @@ def read_config(folder: Path) -> dict:
     if not config_file.is_file():
         raise UserError(f"{folder} has no config.json; model.path must be a Hugging Face checkpoint folder")
     try:
-        return json.loads(config_file.read_text())
+        config = json.loads(config_file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise UserError(f"{config_file} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except (UnicodeDecodeError, RecursionError):
+        raise UserError(
+            f"{config_file} is not a JSON text; model.path must be a Hugging Face checkpoint folder"
+        ) from None
+    if not isinstance(config, dict):
+        raise UserError(f"{config_file} must hold a JSON object (a model config), not {type(config).__name__}")
+    return config
 
 
 def architecture_of(config: dict, where: Path) -> str:

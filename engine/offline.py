@@ -110,7 +110,7 @@ def run_offline(llm, job: OfflineJob, console: Console | None = None) -> list[di
         for column in ("#", "prompt", "output", "tokens", "finish"):
             table.add_column(column, overflow="fold")
         for i, r in enumerate(records):
-            text = Text(_clip(r["text"])) if "error" not in r else Text(f"rejected: {r['error']}", style="red")
+            text = Text(_clip(r["text"])) if "error" not in r else Text(f"error: {r['error']}", style="red")
             table.add_row(str(i), Text(_clip(str(r["prompt"]))), text, str(len(r["token_ids"])), r["finish_reason"])
         console.print(table)
         stats = llm.engine.stats

@@ -11,6 +11,7 @@ where `q_span = min(dcp, R)` is the number of distinct query-head sets in the gr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -22,8 +23,10 @@ def kv_replication(tp: int, num_kv_heads: int, is_mla: bool) -> int:
 
 
 def divisors(n: int) -> list[int]:
-    """The divisors of n, ascending."""
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending, by trial division up to sqrt(n) (capped at 10**6 so that a huge n in a plan
+    cannot hang the check; past 10**12 the list, only a hint there, may miss large divisors)."""
+    small = [d for d in range(1, min(math.isqrt(n), 10**6) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def valid_dcp_sizes(replication: int, limit: int = 64) -> list[int]:

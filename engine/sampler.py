@@ -6,26 +6,39 @@ import torch
 
 from engine.sequence import SamplingParams, TokenLogprob
 
+INVALID = -1  # the token id `sample` returns for a row with no distribution to draw from
+
 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> torch.Tensor:
-    """One token id per row of fp32 `logits` [S, V]."""
+    """One token id per row of fp32 `logits` [S, V].
+
+    A sampled (non-greedy) row whose distribution is not finite (NaN or +inf logits) gets `INVALID` instead of
+    a token; the other rows are drawn exactly as they would be without it.
+    """
     greedy_rows = [p.greedy for p in params]
     if all(greedy_rows):
         return logits.argmax(dim=-1)
-    device = logits.device
+    device, vocab = logits.device, logits.shape[-1]
     temperature = torch.tensor(
         [1.0 if g else p.temperature for p, g in zip(params, greedy_rows, strict=True)], device=device
     ).unsqueeze(1)
-    scaled, order = (logits / temperature).sort(dim=-1, descending=True)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[-1] for p in params], device=device)
-    rank = torch.arange(logits.shape[-1], device=device).unsqueeze(0)
+    # shifted by the row max so that any temperature > 0 divides without overflow (softmax is shift-invariant);
+    # a temperature below float32's range would round to 0 and divide 0 by 0
+    finfo = torch.finfo(torch.float32)
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    scaled, order = (shifted / temperature.clamp(finfo.tiny, finfo.max)).sort(dim=-1, descending=True)
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=device)
+    rank = torch.arange(vocab, device=device).unsqueeze(0)
     scaled = scaled.masked_fill(rank >= top_k.unsqueeze(1), float("-inf"))
     probs = scaled.softmax(dim=-1)
     top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
     beyond = probs.cumsum(dim=-1) - probs > top_p  # drop a token once the mass before it exceeds top_p
     probs = probs.masked_fill(beyond, 0.0)
+    no_distribution = ~(probs.sum(dim=-1) > 0)  # NaN anywhere in a row makes its sum NaN
+    if no_distribution.any():
+        probs[no_distribution] = 1.0  # something to draw from; the row's token is replaced below
     chosen = torch.empty(len(params), dtype=torch.int64, device=device)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
@@ -37,7 +50,7 @@ def sample(
     greedy_idx = [i for i, g in enumerate(greedy_rows) if g]
     if greedy_idx:
         tokens[greedy_idx] = logits[greedy_idx].argmax(dim=-1)
-    return tokens
+    return tokens.masked_fill(no_distribution & ~torch.tensor(greedy_rows, device=device), INVALID)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[TokenLogprob]:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
 from engine.errors import UserError
+
+MAX_LOGPROBS = 20  # top-N alternatives per token, as OpenAI allows
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes (the end excluded)
 
 
 @dataclass
@@ -29,17 +33,17 @@ class SamplingParams:
         """Raise UserError naming the first bad value."""
         if self.max_tokens < 0:
             raise UserError(f"max_tokens={self.max_tokens} must be >= 0")
-        if self.temperature < 0:
-            raise UserError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise UserError(f"temperature={self.temperature} must be a finite number >= 0 (0 is greedy)")
         if not 0 < self.top_p <= 1:
             raise UserError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k < -1:
             raise UserError(f"top_k={self.top_k} must be -1, 0 (off) or a positive count")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= 20:
-                raise UserError(f"{name}={value} must be between 0 and 20")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise UserError(f"{name}={value} must be between 0 and {MAX_LOGPROBS}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             raise UserError(f"seed={self.seed} does not fit in 64 bits; use a smaller seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise UserError("stop must be a list of non-empty strings")
@@ -80,8 +84,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.block_table: list[int] = []
-        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
         self.stop_reason: str | int | None = None
+        self.error: str | None = None  # why it failed (finish_reason "error")
         self.output_text = ""
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob | None] = []

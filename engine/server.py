@@ -6,8 +6,10 @@ requests to the engine thread through `EngineLoop`'s inbox and get per-step upda
 engine thread feeds with `loop.call_soon_threadsafe`. All requests in flight share the scheduler's batch.
 
 A handler that ends early (the client disconnected, the task was cancelled) aborts its engine requests, which
-frees their KV blocks. An exception in the engine thread fails every request in flight with a 500 and marks the
-server unhealthy; user errors are 4xx in OpenAI's error shape and never stop the server.
+frees their KV blocks. A request whose sampling or detokenization fails gets a 500 (an error event when streamed)
+and the others go on; an exception in the engine thread itself (a step, a rank, a collective) fails every request
+in flight with a 500 and marks the server unhealthy. User errors are 4xx in OpenAI's error shape and never stop
+the server.
 """
 
 from __future__ import annotations
@@ -29,22 +31,26 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.api_http import ERROR_RESPONSES, BodyLimitMiddleware, JSONRoute, document_400_not_422
 from engine.api_protocol import (
+    MAX_BODY_BYTES,
+    MAX_CHOICES,
     ChatCompletionRequest,
     CompletionLogprobs,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
     chat_logprobs,
+    context_overflow,
     error_body,
     merge_logprobs,
     new_id,
     now,
     stop_holdback,
     usage,
+    validation_message,
 )
 from engine.errors import UserError
 from engine.sequence import SamplingParams, TokenLogprob
@@ -279,7 +285,9 @@ class EngineLoop:
                     prompt_logprobs = list(seq.prompt_logprobs)
             finish = seq.finish_reason if seq.is_finished else None
             update = Update(handle.index, seq.output_text, new_ids, new_logprobs, prompt_logprobs, finish)
-            if finish is not None:
+            if finish == "error":
+                update.error = ServerError(500, f"the request failed: {seq.error}; the server goes on")
+            elif finish is not None:
                 update.stop_reason = seq.stop_reason
             handle.sink.put(update)
             if finish is not None:
@@ -441,25 +449,6 @@ def _server_error_response(exc: ServerError):
     return JSONResponse(error_body(str(exc), exc.status, exc.param, exc.code), status_code=exc.status)
 
 
-def _validation_message(exc) -> tuple[str, str | None]:
-    """One line from pydantic errors: 'field: problem; ...' and the first field's name."""
-    parts, seen = [], set()
-    first = None
-    for err in exc.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        # union members show up as loc parts like 'str' or 'list[int]': keep the field path only
-        root = loc[0] if loc else None
-        first = first or root
-        if root in seen:
-            continue
-        seen.add(root)
-        if root == "prompt":
-            parts.append("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists")
-        else:
-            parts.append(f"{root}: {err.get('msg')}" if root else str(err.get("msg")))
-    return "invalid request: " + "; ".join(parts[:4]), first
-
-
 class OpenAIServer:
     """The FastAPI app over an `EngineLoop`, with the request handlers."""
 
@@ -481,8 +470,9 @@ class OpenAIServer:
     # ---- plumbing ----
 
     def _build_app(self) -> FastAPI:
-
-        app = FastAPI(title="dcpctl", docs_url=None, redoc_url=None)
+        app = FastAPI(title="dcpctl", version="1", docs_url=None, redoc_url=None)
+        app.router.route_class = JSONRoute
+        app.add_middleware(BodyLimitMiddleware, limit=MAX_BODY_BYTES)
 
         @app.exception_handler(UserError)
         async def _user_error(_: Request, exc: UserError):
@@ -494,7 +484,7 @@ class OpenAIServer:
 
         @app.exception_handler(RequestValidationError)
         async def _invalid(_: Request, exc: RequestValidationError):
-            message, param = _validation_message(exc)
+            message, param = validation_message(exc.errors())
             return JSONResponse(error_body(message, 400, param), status_code=400)
 
         @app.exception_handler(StarletteHTTPException)
@@ -506,29 +496,17 @@ class OpenAIServer:
             logger.error("unexpected error while handling a request", exc_info=exc)
             return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", 500), status_code=500)
 
+        streamed = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or server-sent events"}}
         app.get("/health")(self.health)
         app.get("/v1/models")(self.models)
         app.get("/v1/engine/stats")(self.engine_stats)
         app.get("/tokenizer_info")(self.tokenizer_info)
-        app.post("/tokenize")(self.tokenize)
-        app.post("/detokenize")(self.detokenize)
-        app.post("/v1/completions")(self.completions)
-        app.post("/v1/chat/completions")(self.chat_completions)
+        app.post("/tokenize", responses=ERROR_RESPONSES)(self.tokenize)
+        app.post("/detokenize", responses=ERROR_RESPONSES)(self.detokenize)
+        app.post("/v1/completions", responses={**ERROR_RESPONSES, **streamed})(self.completions)
+        app.post("/v1/chat/completions", responses={**ERROR_RESPONSES, **streamed})(self.chat_completions)
+        document_400_not_422(app)
         return app
-
-    async def _parse(self, request: Request, model: type):
-        body = await request.body()
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ServerError(400, f"the request body is not valid JSON ({exc}); send a JSON object") from None
-        if not isinstance(data, dict):
-            raise ServerError(400, f"the request body must be a JSON object, not {type(data).__name__}")
-        try:
-            return model.model_validate(data)
-        except ValidationError as exc:
-            message, param = _validation_message(exc)
-            raise ServerError(400, message, param) from None
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -559,6 +537,13 @@ class OpenAIServer:
                 p.seed += choice.index % req.n  # n samples of one seeded request differ, reproducibly
             params.append(p)
         return params
+
+    def _check_context(self, name: str, max_tokens: int, ids: list[int], prompt_number: int | None = None) -> None:
+        """A 400 like vLLM's when the prompt and `max_tokens` new tokens do not fit in max_model_len."""
+        message = context_overflow(name, max_tokens, len(ids), self.engine.max_model_len)
+        if message is not None:
+            prefix = f"prompt {prompt_number}: " if prompt_number is not None else ""
+            raise ServerError(400, prefix + message, param=name, code="context_length_exceeded")
 
     # ---- small endpoints ----
 
@@ -603,14 +588,12 @@ class OpenAIServer:
             "model_max_length": self.engine.max_model_len,
         }
 
-    async def tokenize(self, request: Request):
-        req = await self._parse(request, TokenizeRequest)
+    async def tokenize(self, req: TokenizeRequest):
         self._check_model(req.model)
         ids = self.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
         return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
 
-    async def detokenize(self, request: Request):
-        req = await self._parse(request, DetokenizeRequest)
+    async def detokenize(self, req: DetokenizeRequest):
         self._check_model(req.model)
         vocab = len(self.tokenizer)
         bad = [t for t in req.tokens if not 0 <= t < vocab]
@@ -620,7 +603,7 @@ class OpenAIServer:
 
     # ---- completions ----
 
-    def _completion_prompts(self, prompt) -> list[tuple[list[int], str | None]]:
+    def _completion_prompts(self, prompt, n: int) -> list[tuple[list[int], str | None]]:
         if isinstance(prompt, list) and not prompt:
             raise UserError("prompt is an empty list; send a string, a list of strings or token ids")
         if isinstance(prompt, str):
@@ -629,6 +612,11 @@ class OpenAIServer:
             prompts = list(prompt)
         else:
             prompts = [prompt]
+        if len(prompts) * n > MAX_CHOICES:
+            raise UserError(
+                f"n={n} choices for each of {len(prompts)} prompts is more than the {MAX_CHOICES} one request may "
+                "ask for; split the request"
+            )
         out = []
         for number, p in enumerate(prompts):
             if isinstance(p, str):
@@ -640,14 +628,15 @@ class OpenAIServer:
                 out.append((list(p), None))
         return out
 
-    async def completions(self, request: Request):
+    async def completions(self, req: CompletionRequest, request: Request):
         """POST /v1/completions (legacy completions, what lm-eval's local-completions uses)."""
-        req: CompletionRequest = await self._parse(request, CompletionRequest)
         self._check_model(req.model)
         req.check_supported()
         self._check_healthy()
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        prompts = self._completion_prompts(req.prompt)
+        prompts = self._completion_prompts(req.prompt, req.n)
+        for number, (ids, _) in enumerate(prompts):
+            self._check_context("max_tokens", max_tokens, ids, number if len(prompts) > 1 else None)
         choices, numbers = [], []
         for number, (ids, text) in enumerate(prompts):
             for _ in range(req.n):
@@ -767,20 +756,24 @@ class OpenAIServer:
             text = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt, tokenize=False
             )
-        except TemplateError as exc:
+        except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            # the template is a function of the messages alone: whatever it raises is about them
             raise UserError(f"the model's chat template rejected the messages: {exc}") from None
         # the template writes the special tokens itself; the tokenizer must not add a second BOS
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    async def chat_completions(self, request: Request):
+    async def chat_completions(self, req: ChatCompletionRequest, request: Request):
         """POST /v1/chat/completions: the messages through the model's chat template."""
-        req: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
         self._check_model(req.model)
         req.check_supported()
         logprobs = req.logprobs_count()
         self._check_healthy()
         ids = self._chat_prompt(req)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if limit is not None:
+            self._check_context(
+                "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens", limit, ids
+            )
         choices = [_Choice(i, ids, None) for i in range(req.n)]
 
         def max_tokens(_: _Choice) -> int:
@@ -1002,8 +995,10 @@ def serve_plan(report: PlanReport) -> None:
 
 
 def _configure_logging() -> None:
-    if not logger.handlers:
+    """The server's and the engine's log lines (dcpctl.*) to stderr."""
+    root = logging.getLogger("dcpctl")
+    if not root.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)

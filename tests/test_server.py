@@ -601,9 +601,9 @@ def _stop_and_check_tree(proc: subprocess.Popen, within: float) -> float:
     return time.monotonic() - start
 
 
-def _dcpctl_run(plan: Path, overrides: list[str], log: Path) -> subprocess.Popen:
+def _dcpctl_run(plan: Path, overrides: list[str], log: Path, extra_env: dict | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "dcpctl.cli", "run", str(plan), *overrides]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
     return subprocess.Popen(cmd, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
 

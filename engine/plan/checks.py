@@ -21,6 +21,8 @@ from engine.parallel_layout import ParallelLayout, divisors, layout_problems
 from engine.plan.loader import LoadedPlan, PlanLoadError, PlanProblem, load_plan
 from engine.plan.schema import BACKENDS, DEVICES, DIST_BACKENDS, DTYPES, Plan
 
+MAX_WORLD_SIZE = 65536  # ranks of one plan; far beyond any deployment, so a larger one is a typo
+
 
 @dataclass
 class PlanReport:
@@ -87,6 +89,11 @@ def _choice(report: PlanReport, key: str, value: str, choices: tuple[str, ...]) 
     return False
 
 
+def _listing(values: list[int], limit: int = 16) -> str:
+    shown = ", ".join(map(str, values[:limit]))
+    return shown + (f", ... ({len(values)} in all)" if len(values) > limit else "")
+
+
 def _check_static(report: PlanReport, plan: Plan) -> None:
     p, c, s, lch = plan.parallel, plan.cache, plan.scheduler, plan.launch
     if p.pp != 1:
@@ -97,7 +104,7 @@ def _check_static(report: PlanReport, plan: Plan) -> None:
         report.error(
             "parallel.interleave",
             f"parallel.interleave={p.interleave} does not divide cache.block_size={c.block_size}; "
-            f"use one of {', '.join(map(str, divisors(c.block_size)))}",
+            f"use one of {_listing(divisors(c.block_size))}",
         )
     _choice(report, "model.dtype", plan.model.dtype, DTYPES)
     _choice(report, "cache.dtype", c.dtype, DTYPES)
@@ -274,6 +281,13 @@ def _check_devices(report: PlanReport, plan: Plan) -> None:
     world = report.world_size
     if world is None:
         return
+    if world > MAX_WORLD_SIZE:
+        report.error(
+            "parallel.dcp" if report.layout.replicas > 1 else "parallel.tp",
+            f"world size {world} (tp={plan.parallel.tp} x replicas {report.layout.replicas}) is more ranks than "
+            f"dcpctl launches (at most {MAX_WORLD_SIZE}); lower parallel.tp or parallel.dcp",
+        )
+        return
     nnodes = max(1, plan.launch.nnodes)
     if world % nnodes:
         report.error(
@@ -301,26 +315,41 @@ def _check_devices(report: PlanReport, plan: Plan) -> None:
             )
 
 
+def _read_model(report: PlanReport, path: str, strict: bool) -> ModelInfo | None:
+    """The model's config, or None with an error (a folder that is not a checkpoint) or a note (no folder yet)."""
+    try:
+        report.model_path = resolve_model_path(path)
+        exists, is_dir = report.model_path.exists(), report.model_path.is_dir()
+        has_config = (report.model_path / "config.json").is_file()
+    except (OSError, ValueError) as exc:
+        report.error("model.path", f"model.path={path!r} is not a usable path ({exc}); fix model.path")
+        return None
+    if has_config:
+        try:
+            return read_model_info(report.model_path)
+        except UserError as exc:
+            report.error("model.path", str(exc))
+            return None
+    hint = f"run `dcpctl model pull {path}`" if is_alias(path) else "fix model.path"
+    if exists:
+        what = f"the folder {report.model_path} has no config.json" if is_dir else f"{report.model_path} is a file"
+        fix = hint if is_alias(path) else "point model.path at an HF checkpoint folder (config.json, *.safetensors)"
+        report.error("model.path", f"model.path={path} is not a model: {what}; {fix}")
+        return None
+    message = f"model folder {report.model_path} not found; model checks skipped ({hint})"
+    if strict:
+        report.error("model.path", message.replace("model checks skipped", "required by --strict"))
+    else:
+        report.notes.append(message)
+    return None
+
+
 def check_plan(loaded: LoadedPlan, strict: bool = False) -> PlanReport:
     """Validate a loaded plan against every rule; never raises for a bad plan."""
     plan = loaded.plan
     report = PlanReport(source=str(loaded.source), name=plan.name, loaded=loaded)
     report.device = devices.resolve_device(plan.launch.device) if plan.launch.device in DEVICES else "cpu"
-    report.model_path = resolve_model_path(plan.model.path)
-    info = None
-    if (report.model_path / "config.json").is_file():
-        try:
-            info = read_model_info(report.model_path)
-        except UserError as exc:
-            report.error("model.path", str(exc))
-    else:
-        hint = f"run `dcpctl model pull {plan.model.path}`" if is_alias(plan.model.path) else "fix model.path"
-        message = f"model folder {report.model_path} not found; model checks skipped ({hint})"
-        if strict:
-            report.error("model.path", message.replace("model checks skipped", "required by --strict"))
-        else:
-            report.notes.append(message)
-    report.model = info
+    report.model = info = _read_model(report, plan.model.path, strict)
     if info is not None:
         _check_model(report, plan, info)
     _resolve_dtypes(report, plan)

@@ -18,6 +18,8 @@ from omegaconf.errors import OmegaConfBaseException
 from engine.plan.schema import KEY_ALIASES, Plan
 
 COMMAND_LINE = "command line"
+MAX_PLAN_BYTES = 1 << 20  # a plan is a few hundred bytes of YAML; this bounds what a wrong path makes us read
+MAX_PLAN_FIELDS = 10_000  # bounds YAML anchors that expand into an exponential number of fields
 
 
 @dataclass(frozen=True)
@@ -62,45 +64,80 @@ class LoadedPlan:
         return self.origins.get(key, (str(self.source), None))
 
 
-def _key_lines(node: yaml.Node, prefix: str = "") -> dict[str, int]:
+def _key_lines(node: yaml.Node, prefix: str = "", seen: set[int] | None = None) -> dict[str, int]:
+    """Dotted key -> line; a mapping reached again through an alias is walked once."""
+    seen = set() if seen is None else seen
     lines: dict[str, int] = {}
-    if isinstance(node, yaml.MappingNode):
+    if isinstance(node, yaml.MappingNode) and id(node) not in seen:
+        seen.add(id(node))
         for key_node, value_node in node.value:
             key = f"{prefix}{key_node.value}"
             lines[key] = key_node.start_mark.line + 1
-            lines.update(_key_lines(value_node, key + "."))
+            lines.update(_key_lines(value_node, key + ".", seen))
     return lines
 
 
-def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def _flatten(data: dict[str, Any], prefix: str = "", budget: list[int] | None = None) -> dict[str, Any]:
+    """Dotted keys of nested mappings; raises ValueError past MAX_PLAN_FIELDS fields."""
+    budget = [MAX_PLAN_FIELDS] if budget is None else budget
     flat: dict[str, Any] = {}
     for key, value in data.items():
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise ValueError(f"the plan has more than {MAX_PLAN_FIELDS} fields (YAML anchors expanding?)")
         dotted = f"{prefix}{key}"
         if isinstance(value, dict) and value:
-            flat.update(_flatten(value, dotted + "."))
+            flat.update(_flatten(value, dotted + ".", budget))
         else:
             flat[dotted] = value
     return flat
 
 
-def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
+def _problem(path: Path, message: str, line: int | None = None) -> PlanLoadError:
+    return PlanLoadError(str(path), [PlanProblem("", message, str(path), line)])
+
+
+def _read_text(path: Path) -> str:
     try:
-        text = path.read_text()
+        with path.open("rb") as f:
+            raw = f.read(MAX_PLAN_BYTES + 1)
     except FileNotFoundError:
-        raise PlanLoadError(str(path), [PlanProblem("", f"plan file {path} does not exist", str(path))]) from None
+        raise _problem(path, f"plan file {path} does not exist") from None
     except OSError as exc:
-        raise PlanLoadError(str(path), [PlanProblem("", f"cannot read {path}: {exc.strerror}", str(path))]) from None
+        raise _problem(path, f"cannot read {path}: {exc.strerror}") from None
+    if len(raw) > MAX_PLAN_BYTES:
+        raise _problem(path, f"plan file {path} is larger than {MAX_PLAN_BYTES} bytes; a plan is a short YAML file")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise _problem(
+            path, f"plan file {path} is not UTF-8 text (byte {raw[exc.start]:#04x}); a plan is a YAML file", line
+        ) from None
+
+
+def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """The plan file's fields as dotted keys, and the line of each key."""
+    text = _read_text(path)
     try:
         data = yaml.safe_load(text)
         node = yaml.compose(text)
     except yaml.MarkedYAMLError as exc:
         line = exc.problem_mark.line + 1 if exc.problem_mark else None
-        raise PlanLoadError(str(path), [PlanProblem("", f"invalid YAML: {exc.problem}", str(path), line)]) from None
+        raise _problem(path, f"invalid YAML: {exc.problem}", line) from None
+    except yaml.YAMLError as exc:  # e.g. a control character the reader refuses
+        raise _problem(path, f"invalid YAML: {str(exc).splitlines()[0]}") from None
+    except RecursionError:
+        raise _problem(path, "invalid YAML: nested too deeply; a plan is a mapping of sections") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise PlanLoadError(str(path), [PlanProblem("", "a plan must be a YAML mapping of sections", str(path), 1)])
-    return data, _key_lines(node) if node is not None else {}
+        raise _problem(path, "a plan must be a YAML mapping of sections", 1)
+    try:
+        flat = _flatten(data)
+    except ValueError as exc:
+        raise _problem(path, str(exc)) from None
+    return flat, _key_lines(node) if node is not None else {}
 
 
 def _collect_files(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict[str, Any], dict[str, int]]]:
@@ -118,7 +155,11 @@ def _collect_files(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[Path, 
             str(path), [PlanProblem("base", "base must be a path to another plan file", str(path), lines.get("base"))]
         )
     base_path = (path.parent / base).expanduser()
-    if not base_path.is_file():
+    try:
+        found = base_path.is_file()
+    except (OSError, ValueError):  # a name too long, a NUL byte
+        found = False
+    if not found:
         raise PlanLoadError(
             str(path),
             [
@@ -142,7 +183,14 @@ def _parse_overrides(overrides: list[str]) -> dict[str, Any]:
                 COMMAND_LINE,
                 [PlanProblem("", f"override {item!r} is not KEY=VALUE (e.g. parallel.interleave=16)", COMMAND_LINE)],
             )
-        flat[key.strip()] = yaml.safe_load(value) if value else ""
+        try:
+            flat[key.strip()] = yaml.safe_load(value) if value else ""
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise PlanLoadError(
+                COMMAND_LINE,
+                [PlanProblem(key, f"override {item!r}: the value is not valid YAML ({problem})", COMMAND_LINE)],
+            ) from None
     return flat
 
 
@@ -187,7 +235,7 @@ def load_plan(path: str | Path, overrides: list[str] | None = None) -> LoadedPla
     flat: dict[str, Any] = {}
     origins: dict[str, tuple[str, int | None]] = {}
     for file, data, lines in layers:
-        for key, value in _flatten(data).items():
+        for key, value in data.items():
             if key == "base":
                 continue
             key = KEY_ALIASES.get(key, key)

@@ -1,0 +1,114 @@
+"""HTTP plumbing of the OpenAI app: a request body size limit, the JSON parsing of request bodies, and the error
+responses its OpenAPI document declares.
+
+The guards answer in OpenAI's error shape through the app's HTTPException handler: a body over the limit is a 413
+before the app reads it, and a body that is not UTF-8 JSON (or nests too deeply to parse) is a 400 that says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.api_protocol import ErrorResponse, error_body, parse_json_body
+from engine.errors import UserError
+
+
+def _too_large(limit: int) -> str:
+    return f"the request body is larger than this server's limit of {limit} bytes; send a smaller request"
+
+
+class _BodyTooLarge(HTTPException):
+    """Raised from `receive` once a body sent without a Content-Length passes the limit (FastAPI re-raises it)."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, _too_large(limit))
+
+
+class BodyLimitMiddleware:
+    """ASGI middleware: request bodies over `limit` bytes are refused with a 413."""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            await JSONResponse(error_body(_too_large(self.limit), 413), status_code=413)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise _BodyTooLarge(self.limit)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+class _JSONRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            try:
+                self._json = parse_json_body(await self.body())
+            except UserError as exc:
+                raise HTTPException(400, str(exc)) from None
+        return self._json
+
+
+class JSONRoute(APIRoute):
+    """A route whose JSON body goes through `parse_json_body`, so that any unparsable body is a 400 saying why."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            return await handler(_JSONRequest(request.scope, request.receive))
+
+        return route
+
+
+_ERROR_STATUSES = {  # what each error status means, for /openapi.json
+    400: "an invalid request (the message names the field)",
+    404: "an unknown model",
+    413: "a request body over the size limit",
+    500: "the request failed in the engine",
+    503: "the server is shutting down or the engine failed",
+}
+
+
+def document_400_not_422(app: FastAPI) -> None:
+    """FastAPI documents its validation errors as 422; this server answers them with 400 (OpenAI's status)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            for operations in schema["paths"].values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": text} for status, text in _ERROR_STATUSES.items()
+}

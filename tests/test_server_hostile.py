@@ -1,0 +1,266 @@
+"""No request can take the server down: hand-written hostile requests (regressions) and schemathesis fuzzing from
+the server's own OpenAPI document, against a real server on a tiny checkpoint. Every bad request is an
+OpenAI-style 4xx naming the problem; afterwards the server is healthy and holds no KV blocks."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from engine.api_protocol import MAX_BODY_BYTES
+from tests.oracle import write_plan
+from tests.test_server import serve
+
+CONTEXT = 48  # the server's max_model_len: generation stays short whatever a request asks for
+JSON = {"content-type": "application/json"}
+NON_FINITE = ("NaN", "Infinity", "-Infinity")
+NUMERIC_FIELDS = {  # every numeric request field, completions and chat
+    "/v1/completions": [
+        "temperature",
+        "top_p",
+        "top_k",
+        "n",
+        "seed",
+        "max_tokens",
+        "logprobs",
+        "best_of",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_p",
+        "min_tokens",
+    ],
+    "/v1/chat/completions": ["temperature", "top_p", "top_k", "n", "seed", "max_tokens", "max_completion_tokens"],
+}
+BASE = {
+    "/v1/completions": {"prompt": "hello"},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}]},
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_models):
+    plan = write_plan(tmp_path_factory.mktemp("hostile"), tiny_models("llama"), {"model.max_model_len": CONTEXT})
+    served = serve(plan)
+    yield served
+    served.handle.stop()
+
+
+@pytest.fixture
+def http(server):
+    with server.http() as client:
+        yield client
+    # whatever the test sent, the server still serves and holds no blocks
+    assert server.wait_idle()["used_blocks"] == 0
+    with server.http() as client:
+        assert client.get("/health").status_code == 200
+
+
+def post_raw(http: httpx.Client, path: str, body: str | bytes) -> httpx.Response:
+    return http.post(path, content=body, headers=JSON)
+
+
+def error_of(resp: httpx.Response, status: int = 400) -> dict:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and "\n" not in error["message"]
+    return error
+
+
+def with_field(path: str, name: str, literal: str) -> str:
+    """The base body of `path` with `"name": literal` spliced in as raw JSON text (NaN is not valid JSON)."""
+    return json.dumps(BASE[path])[:-1] + f', "{name}": {literal}}}'
+
+
+def test_non_finite_numbers_in_every_field_are_400_naming_the_field(http):
+    for path, names in NUMERIC_FIELDS.items():
+        for name in names:
+            for literal in NON_FINITE:
+                error = error_of(post_raw(http, path, with_field(path, name, literal)))
+                assert error["param"] == name, (path, name, literal, error)
+                assert f"{name}=" in error["message"] and "finite" in error["message"], error
+    body = with_field("/v1/completions", "logit_bias", '{"5": NaN}')
+    assert error_of(post_raw(http, "/v1/completions", body))["param"] == "logit_bias"
+    body = with_field("/v1/chat/completions", "top_logprobs", "Infinity")
+    assert error_of(post_raw(http, "/v1/chat/completions", body))["param"] == "top_logprobs"
+
+
+def test_huge_numbers_are_400_or_harmless(http):
+    huge = str(10**30)
+    for name in ("n", "seed", "logprobs", "max_tokens"):
+        error = error_of(post_raw(http, "/v1/completions", with_field("/v1/completions", name, huge)))
+        assert error["param"] == name
+    # a top_k beyond the vocabulary is no top-k, a huge temperature is near-uniform, a tiny one near-greedy
+    for name, literal in (("top_k", huge), ("temperature", "1e308"), ("temperature", "1e-320")):
+        resp = post_raw(
+            http, "/v1/completions", with_field("/v1/completions", name, literal)[:-1] + ', "max_tokens": 4}'
+        )
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] >= 1, (name, resp.text)
+    # stop token ids are only compared with sampled ids: any integer is harmless
+    resp = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "stop_token_ids": [10**30, -5]})
+    assert resp.status_code == 200, resp.text
+
+
+def test_max_tokens_beyond_the_context_is_400_naming_both_lengths(http):
+    ids = [5, 6, 7, 8, 9]
+    error = error_of(http.post("/v1/completions", json={"prompt": ids, "max_tokens": 10**9}))
+    assert error["param"] == "max_tokens" and error["code"] == "context_length_exceeded"
+    message = error["message"]
+    assert "max_tokens=1000000000" in message and "5 tokens" in message and f"is {CONTEXT}" in message, message
+    assert f"at most {CONTEXT - 5}" in message
+    # exactly filling the context is fine
+    ok = http.post("/v1/completions", json={"prompt": ids, "max_tokens": CONTEXT - 5, "ignore_eos": True})
+    assert ok.status_code == 200 and ok.json()["usage"]["total_tokens"] == CONTEXT
+    error = error_of(http.post("/v1/completions", json={"prompt": [[5], ids], "max_tokens": CONTEXT - 3}))
+    assert error["message"].startswith("prompt 1: max_tokens=")
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for name in ("max_tokens", "max_completion_tokens"):
+        error = error_of(http.post("/v1/chat/completions", json={**chat, name: 10**6}))
+        assert error["param"] == name and error["code"] == "context_length_exceeded"
+
+
+def test_wrong_types_are_400(http):
+    bodies = {
+        '{"prompt": {"a": 1}}': "prompt must be a string",
+        '{"prompt": "x", "stop": [1, 2]}': "stop must be a non-empty string or a list of non-empty strings",
+        '{"prompt": "x", "n": "three"}': "n='three'",
+        '{"prompt": "x", "stream": {"yes": true}}': "stream",
+        '{"prompt": "x", "stream_options": [1]}': "stream_options",
+        '{"prompt": "x", "temperature": [0.5]}': "temperature",
+        '{"prompt": "x", "logit_bias": "none"}': "logit_bias",
+        '{"prompt": null}': "prompt",
+        "[]": "must be a JSON object",
+        '"just a string"': "must be a JSON object",
+        "": "empty",
+    }
+    for body, needle in bodies.items():
+        assert needle in error_of(post_raw(http, "/v1/completions", body))["message"], body
+    chat_bodies = [
+        {"messages": "hello"},
+        {"messages": [{"content": "no role"}]},
+        {"messages": [{"role": "user", "content": 5}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": "maybe"},
+    ]
+    for body in chat_bodies:
+        error_of(http.post("/v1/chat/completions", json=body))
+    assert "tokens" in error_of(http.post("/detokenize", json={"tokens": "abc"}))["message"]
+    assert "prompt" in error_of(http.post("/tokenize", json={"prompt": ["a"]}))["message"]
+
+
+def test_unknown_chat_role_is_400(http):
+    error = error_of(http.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}))
+    assert error["param"] == "messages" and "messages.0.role='wizard'" in error["message"]
+    assert "'user'" in error["message"]
+
+
+def test_unparsable_bodies_are_400(http):
+    deep = "[" * 50_000 + "]" * 50_000
+    assert "nests JSON too deeply" in error_of(post_raw(http, "/v1/completions", deep))["message"]
+    deep_object = '{"prompt": ' + "[" * 50_000 + "]" * 50_000 + "}"
+    assert "too deeply" in error_of(post_raw(http, "/v1/chat/completions", deep_object))["message"]
+    bad_utf8 = b'{"prompt": "\xff\xfe caf\xe9"}'
+    assert "not UTF-8 (byte 0xff at offset 12)" in error_of(post_raw(http, "/v1/completions", bad_utf8))["message"]
+    for body in ("{not json", '{"prompt": "x",}', '{"prompt": "x"} trailing'):
+        assert "not valid JSON" in error_of(post_raw(http, "/v1/completions", body))["message"], body
+    # no content type: the body cannot be read as JSON, and the message says what to send
+    resp = http.post("/v1/completions", content=b'{"prompt": "x"}', headers={"content-type": "text/plain"})
+    assert "Content-Type: application/json" in error_of(resp)["message"]
+
+
+def test_oversized_bodies_are_413_before_they_are_read(http):
+    big = b'{"prompt": "' + b"a" * (MAX_BODY_BYTES + 1) + b'"}'
+    error = error_of(post_raw(http, "/v1/completions", big), status=413)
+    assert str(MAX_BODY_BYTES) in error["message"]
+
+    def chunks():  # no Content-Length: the limit is counted as the body arrives
+        yield b'{"prompt": "'
+        for _ in range(MAX_BODY_BYTES // 2**20 + 1):
+            yield b"a" * 2**20
+        yield b'"}'
+
+    error_of(http.post("/v1/completions", content=chunks(), headers=JSON), status=413)
+
+
+def test_token_ids_out_of_the_vocabulary_are_400(server, http):
+    vocab = server.engine.runner.vocab_size
+    for prompt in ([vocab], [-1], [5, 10**30], [[5], [vocab + 7]]):
+        error = error_of(http.post("/v1/completions", json={"prompt": prompt}))
+        assert f"0..{vocab - 1}" in error["message"], (prompt, error)
+    for tokens in ([len(server.engine.tokenizer)], [-3], [10**30]):
+        assert "tokens must be in" in error_of(http.post("/detokenize", json={"tokens": tokens}))["message"]
+
+
+def test_too_many_choices_is_400(http):
+    error = error_of(http.post("/v1/completions", json={"prompt": ["a"] * 40, "n": 128}))
+    assert "n=128" in error["message"] and "40 prompts" in error["message"]
+
+
+def test_openapi_document_describes_the_request_bodies(server):
+    with server.http() as http:
+        doc = http.get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    completion = schemas["CompletionRequest"]["properties"]
+    assert completion["temperature"]["anyOf"][0]["minimum"] == 0
+    assert completion["n"]["maximum"] == 128 and completion["logprobs"]["anyOf"][0]["maximum"] == 20
+    assert schemas["ChatMessage"]["properties"]["role"]["enum"] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "function",
+        "developer",
+    ]
+    operation = doc["paths"]["/v1/completions"]["post"]
+    assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("CompletionRequest")
+    assert set(operation["responses"]) == {"200", "400", "404", "413", "500", "503"}  # 400, not FastAPI's 422
+    assert "HTTPValidationError" not in schemas
+
+
+def test_schemathesis_fuzzing_finds_no_5xx_and_leaves_no_blocks(server):
+    """Every operation of /openapi.json, with bodies that fit the schema and bodies that break it: no 5xx, the
+    status codes and content types the document declares, error bodies in OpenAI's shape."""
+    base = server.base_url
+    schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
+    session = requests.Session()
+    session.trust_env = False
+    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+    statuses: dict[str, dict[int, int]] = {}
+
+    def fuzz(operation, mode: GenerationMode) -> None:
+        seen = statuses.setdefault(f"{operation.label} {mode.value}", {})
+
+        @given(case=operation.as_strategy(generation_mode=mode))
+        @settings(
+            max_examples=25, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+        )
+        def run(case):
+            response = case.call_and_validate(base_url=base, session=session, checks=checks, timeout=60)
+            seen[response.status_code] = seen.get(response.status_code, 0) + 1
+
+        run()
+
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        fuzz(operation, GenerationMode.POSITIVE)
+        if operation.method == "post":  # the GET endpoints take no input to break
+            fuzz(operation, GenerationMode.NEGATIVE)
+    # the fuzzing reached the engine (some 200s: generation ran) and its validation (400s)
+    generated = [statuses[f"POST {path} positive"].get(200, 0) for path in ("/v1/completions", "/v1/chat/completions")]
+    assert sum(generated) > 0, statuses
+    assert statuses["POST /v1/completions negative"] == {400: 25}, statuses
+    stats = server.wait_idle()
+    assert stats["used_blocks"] == 0 and stats["requests_in_flight"] == 0 and stats["healthy"]
+    assert session.get(f"{base}/health").status_code == 200
