@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,6 +149,8 @@ def start_rank(report: PlanReport) -> tuple[EngineConfig, ParallelContext, Model
         )
     )
     _write_rank_stats(par, runner)
+    if runner.cpu_paths and par.is_driver:
+        print(f"dcpctl: {runner.cpu_paths}", file=sys.stderr, flush=True)
     return config, par, runner
 
 
