@@ -40,6 +40,7 @@ def report_to_dict(report: PlanReport) -> dict:
             "world_size": report.world_size,
             "max_model_len": report.max_model_len,
             "model_path": str(report.model_path) if report.model_path else None,
+            "cpu_paths": report.cpu_paths.describe() if report.cpu_paths else None,
         }
         data["config"] = plan_to_dict(report.plan)
     if report.layout is not None:
@@ -101,6 +102,8 @@ def _render_show(console: Console, report: PlanReport, positions: int) -> None:
         f"model {plan.model.path} -> {report.model_path}  dtype {report.dtype}  "
         f"cache dtype {report.cache_dtype}  device {report.device}  backend {report.backend}"
     )
+    if report.cpu_paths is not None:
+        console.print(report.cpu_paths.describe())
     layout = report.layout
     if layout is not None:
         dcp_kind = {

@@ -61,6 +61,8 @@ def render_validation(console: Console, reports: list[PlanReport]) -> None:
             console.print(Text.assemble(("warning ", "yellow"), f"{r.name}: {w}"), soft_wrap=True)
         for n in r.notes:
             console.print(Text.assemble(("note ", "dim"), f"{r.name}: {n}"), soft_wrap=True)
+        if r.cpu_paths is not None:
+            console.print(Text.assemble(("cpu ", "dim"), f"{r.name}: {r.cpu_paths.describe()}"), soft_wrap=True)
 
 
 def checked_targets(specs: list[str], overrides: list[str], console: Console) -> list[Target]:

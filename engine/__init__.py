@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from engine.cpu_isa import cap_torch_isa
+
 if TYPE_CHECKING:
     from engine.llm import LLM, RequestOutput
     from engine.sequence import SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
+
+cap_torch_isa()  # DCPCTL_CPU_ISA=avx2 caps torch's own kernels too: before anything here imports torch
 
 
 def __getattr__(name: str) -> Any:

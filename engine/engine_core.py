@@ -10,6 +10,7 @@ import itertools
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,6 +152,8 @@ def start_rank(report: PlanReport) -> tuple[EngineConfig, ParallelContext, Model
         )
     )
     _write_rank_stats(par, runner)
+    if runner.cpu_paths and par.is_driver:
+        print(f"dcpctl: {runner.cpu_paths}", file=sys.stderr, flush=True)
     return config, par, runner
 
 

@@ -19,7 +19,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata, PagedKV, PrefillNew, step_metadata
 from engine.distributed import ParallelContext
 from engine.layers.attention import PagedAttention
-from engine.layers.cpu_gemm import pack_linears
+from engine.layers.cpu_gemm import cpu_paths_line, pack_linears
 from engine.models import build_model
 from engine.models.base import inline_module_attributes
 from engine.models.loading import load_checkpoint
@@ -68,7 +68,8 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous)
         load_checkpoint(self.model, folder, self.model.checkpoint_name_map)
-        pack_linears(self.model)
+        gemms = pack_linears(self.model)
+        self.cpu_paths = cpu_paths_line(dtype, gemms, backend) if self.device.type == "cpu" else None
         inline_module_attributes(self.model)
         self.model.eval()
         self.cache_layout: CacheLayout | None = None

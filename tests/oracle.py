@@ -35,6 +35,45 @@ def hf_greedy(folder: str | Path, prompt_ids: list[int], new_tokens: int) -> tup
     return tokens, logprobs
 
 
+@functools.lru_cache(maxsize=2)
+def _hf_model_bf16(folder: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+
+
+@torch.inference_mode()
+def hf_bf16_disagreements(
+    folder: str | Path, prompt_ids: list[int], tokens: list[int]
+) -> list[tuple[int, float, float]]:
+    """The steps where greedy `tokens` (after `prompt_ids`) are not what HF bf16 would pick beyond its own noise.
+
+    The comparison rule for bfloat16, where no two implementations agree bit for bit: both round to bf16 at the
+    same points with fp32 accumulation inside each matmul, but sum in different orders, so logits move by a few
+    bf16 steps. HF replays the tokens step by step with its cache (teacher forcing, as `generate` runs), which
+    gives its logits at every step. Its own noise on this sequence is how far those logits move when HF computes
+    the same steps another way (one forward pass over the whole sequence): the largest move over all steps, and at
+    least one bf16 step of the top logit (logits are bf16 values: nothing finer is resolved). A token is accepted
+    when it is HF's argmax, or within that noise of HF's top logit: a near-tie HF itself could break either way.
+    Past such a tie the comparison continues on our tokens. Returns (step, gap to HF's top logit, tolerance) of
+    each rejected step; empty means the tokens are what HF bf16 generates wherever its numerics decide.
+    """
+    model = _hf_model_bf16(str(folder))
+    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    stepwise = [out.logits[0, -1].float()]
+    for token in tokens[:-1]:
+        out = model(torch.tensor([[token]]), cache=out.past_key_values, use_cache=True)
+        stepwise.append(out.logits[0, -1].float())
+    logits = torch.stack(stepwise)
+    whole = model(torch.tensor([prompt_ids + tokens[:-1]])).logits[0, len(prompt_ids) - 1 :].float()
+    noise = float((logits - whole).abs().max())
+    top = logits.amax(dim=-1)
+    bf16_step = torch.exp2(torch.floor(torch.log2(top.abs().clamp_min(1e-30))) - 7)
+    tolerance = bf16_step.clamp_min(noise)
+    gap = top - logits[torch.arange(len(tokens)), torch.tensor(tokens)]
+    return [(t, float(gap[t]), float(tolerance[t])) for t in range(len(tokens)) if gap[t] > tolerance[t]]
+
+
 @torch.inference_mode()
 def hf_prompt_logprobs(folder: str | Path, prompt_ids: list[int]) -> list[float]:
     """Logprob of each prompt token after the first, under HF's forward pass."""

@@ -15,8 +15,10 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from engine.attention.backend import create_backend
 from engine.attention.cpu_backend import CpuBackend
 from engine.attention.torch_backend import softmax_attention
+from engine.cpu_isa import detect
 from engine.layers import cpu_kernels
-from engine.layers.cpu_gemm import GEMV_MAX_ROWS, PackableLinear
+from engine.layers.cpu_gemm import PackableLinear
+from engine.layers.cpu_paths import GEMV_MAX_ROWS
 from engine.layers.rotary import RotaryEmbedding
 from tests.oracle import hf_greedy, prompt_ids, write_plan
 from tests.test_dcp_equivalence import dcpctl_run
@@ -145,7 +147,7 @@ def test_a_failed_build_is_one_line_not_a_crash(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))  # a fresh kernels cache
     source = tmp_path / "broken.cpp"
     source.write_text("#error broken on purpose\n")
-    problem = cpu_kernels.build_kernels(source, "dcpctl_broken_test")
+    problem = cpu_kernels.build_kernels((source,), "dcpctl_broken_test", cpu_kernels.BASE_CFLAGS)
     assert problem is not None and "\n" not in problem and "dcpctl_broken_test" in problem
     log = cpu_kernels.kernels_dir() / "dcpctl_broken_test" / "error.log"
     assert problem.endswith(str(log)) and "broken on purpose" in log.read_text()
@@ -153,7 +155,7 @@ def test_a_failed_build_is_one_line_not_a_crash(tmp_path, monkeypatch):
 
 def test_no_compiler_is_named(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler")
-    problem = cpu_kernels.build_kernels(cpu_kernels.SOURCE, "dcpctl_no_compiler_test")
+    problem = cpu_kernels.build_kernels(cpu_kernels.SOURCES, "dcpctl_no_compiler_test", cpu_kernels.BASE_CFLAGS)
     assert problem == "no C++ compiler 'no-such-compiler' on PATH; install g++ or set CXX"
 
 
@@ -173,6 +175,7 @@ def test_engine_without_its_kernels_matches_hf(tmp_path, tiny_models, monkeypatc
 
 def test_each_torch_install_gets_its_own_build(monkeypatch):
     """Two venvs sharing ~/.cache/dcpctl/kernels must not rebuild over each other at every switch."""
-    here = cpu_kernels._build_tag()
+    isa = detect()
+    here = cpu_kernels.build_name(isa)
     monkeypatch.setattr(torch, "__file__", "/another/venv/lib/python3.11/site-packages/torch/__init__.py")
-    assert cpu_kernels._build_tag() != here
+    assert cpu_kernels.build_name(isa) != here

@@ -1,28 +1,34 @@
-"""CPU matmuls: the engine's GEMV for one or two rows, oneDNN with pre-packed weights for more.
+"""CPU matmuls: the engine's GEMV for one or two rows, a pre-packed GEMM for more (oneDNN's or the engine's).
 
-On the CPUs we run on (AMD Zen 4 here), oneDNN with a weight reordered once at load time is
-1.5-2x faster than the default BLAS path for both fp32 and bf16, at decode and prefill sizes; at
-batch 1 and 2 the engine's row-streaming GEMV (cpu_kernels) reads the weights faster still
+Which GEMM a dtype takes on this CPU is `cpu_paths.gemm_choices` (from the ISA level): oneDNN with a weight
+reordered once at load time is 1.5-2x faster than the default BLAS path for fp32 and, where its CPU check
+allows, bf16; the engine's panel GEMM serves bf16 where oneDNN cannot. A layer whose weight a GEMM refuses
+to pack (torch raises on a CPU it does not support) takes the next choice, so a wrong guess costs speed,
+never a crash. At batch 1 and 2 the engine's row-streaming GEMV reads the plain weights faster than either
 (benchmarks/RESULTS.md). The layers keep their plain weights for the GEMV, for loading and for views (MLA).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.cpu_kernels import cpu_kernels_available, gemv
+from engine.cpu_isa import detect
+from engine.layers.cpu_kernels import cpu_kernels_available, gemv, loaded_build, pack_panels, panel_linear
+from engine.layers.cpu_paths import GEMM_NAMES, GEMV_MAX_ROWS, KERNEL_DTYPE_NAMES, describe_paths, gemm_choices
 
 _BATCH_HINT = 16  # the reorder picks a blocking for this many rows; any row count works
-GEMV_MAX_ROWS = 2  # above this many rows oneDNN's packed GEMM is faster (benchmarks/gemv_roofline.py)
+_log = logging.getLogger(__name__)
 
 
 @functools.cache
 def packing_available() -> bool:
-    """True when this torch build has oneDNN's packed linear ops and they run."""
+    """True when this torch build has oneDNN's packed linear ops and they run (fp32)."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
@@ -32,13 +38,8 @@ def packing_available() -> bool:
     return bool(torch.equal(out, torch.full((2, 4), 4.0)))
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    """True for the weights oneDNN packing serves: CPU fp32/bf16 with the ops available."""
-    return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and packing_available()
-
-
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A copy of a [out, in] weight reordered for oneDNN (see `can_pack`)."""
+    """A copy of a [out, in] weight reordered for oneDNN (raises where oneDNN cannot pack the dtype here)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
 
 
@@ -47,30 +48,73 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
+@functools.cache
+def _warn_refused(gemm: str, dtype: str, reason: str) -> None:
+    _log.warning("%s refused to pack %s weights here (%s); the next choice is used", gemm, dtype, reason)
+
+
+def _pack_for(gemm: str, weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` packed for `gemm`, or None when that GEMM cannot take it here."""
+    if gemm == "onednn" and packing_available():
+        try:
+            return pack_weight(weight)
+        except RuntimeError as exc:  # e.g. bf16 on a CPU without AVX-512: "... needs the cpu support ..."
+            _warn_refused("oneDNN", str(weight.dtype).removeprefix("torch."), str(exc).strip().splitlines()[0])
+    elif gemm == "panels":
+        return pack_panels(weight)
+    return None
+
+
 class PackableLinear(nn.Module):
-    """Base of the linear layers: `project` uses a packed copy of `weight` once `pack()` made one."""
+    """Base of the linear layers: `project` takes the GEMV or the GEMM that `pack()` chose for the weight."""
 
     weight: nn.Parameter
     packed: torch.Tensor | None = None
+    gemm: str = "torch"  # what inputs of more than `gemv_rows` rows take: onednn, panels or torch (F.linear)
     gemv_rows: int = 0  # inputs of up to this many rows take the engine's GEMV
 
     def pack(self) -> None:
-        """Reorder the weight for oneDNN and enable the GEMV (CPU fp32/bf16 only; elsewhere a no-op)."""
-        if can_pack(self.weight):
-            self.packed = pack_weight(self.weight)
-            if self.weight.is_contiguous() and cpu_kernels_available():
-                self.gemv_rows = GEMV_MAX_ROWS
+        """Pack the weight for this CPU's GEMM and enable the GEMV (CPU fp32/bf16 only; elsewhere a no-op)."""
+        weight = self.weight
+        dtype = str(weight.dtype).removeprefix("torch.")
+        if weight.device.type != "cpu" or dtype not in KERNEL_DTYPE_NAMES:
+            return
+        kernels = cpu_kernels_available()
+        for gemm in gemm_choices(detect(), dtype, kernels):
+            self.packed = None if gemm == "torch" else _pack_for(gemm, weight)
+            if self.packed is not None or gemm == "torch":
+                self.gemm = gemm
+                break
+        if weight.is_contiguous() and kernels:
+            self.gemv_rows = GEMV_MAX_ROWS
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.packed is not None and x.dim() == 2 and x.dtype == self.weight.dtype:
+        if x.dim() == 2 and x.dtype == self.weight.dtype:
             if x.shape[0] <= self.gemv_rows:
                 return gemv(x, self.weight, bias)
-            return packed_linear(x, self.packed, bias)
+            if self.gemm == "panels":
+                return panel_linear(x, self.packed, self.weight.shape[0], bias)
+            if self.gemm == "onednn":
+                return packed_linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)
 
 
-def pack_linears(model: nn.Module) -> None:
-    """Pack every linear layer of a loaded model."""
+def pack_linears(model: nn.Module) -> dict[str, int]:
+    """Pack every linear layer of a loaded model; how many layers took each GEMM."""
+    taken: collections.Counter[str] = collections.Counter()
     for module in model.modules():
         if isinstance(module, PackableLinear):
             module.pack()
+            taken[module.gemm] += 1
+    return dict(taken)
+
+
+def cpu_paths_line(dtype: torch.dtype, gemms: dict[str, int], backend) -> str:
+    """What a CPU rank actually runs, for the start-up log: the ISA level, the loaded kernel build, the GEMMs
+    the linear layers took (from `pack_linears`) and the decode attention."""
+    name = str(dtype).removeprefix("torch.")
+    taken = ", ".join(f"{GEMM_NAMES[g]} ({n} layers)" for g, n in sorted(gemms.items())) or GEMM_NAMES["torch"]
+    kernels = getattr(backend, "kernels", False)
+    decode = "engine paged decode kernel" if kernels else f"{backend.name} backend"
+    build = loaded_build() or "unavailable, torch's kernels"
+    return describe_paths(detect(), build, name, taken, cpu_kernels_available() and name in KERNEL_DTYPE_NAMES, decode)

@@ -1,10 +1,13 @@
-"""The engine's own CPU kernels (csrc/cpu_kernels.cpp): built for this CPU on first use, then cached.
+"""The engine's own CPU kernels (csrc/*.cpp): built for this CPU's ISA level on first use, then cached.
 
-torch's cpp_extension compiles the source once per machine (~15 s with gcc on 2 cores; scripts/setup.sh
+torch's cpp_extension compiles the sources once per ISA level (~20 s with gcc on 2 cores; scripts/setup.sh
 does it at install) into `~/.cache/dcpctl/kernels` and registers the ops as `torch.ops.dcpctl.*`;
-later processes load the cached library in milliseconds. Where it cannot be built (no C++ compiler)
-the engine runs on torch's own kernels and a one-line warning says why; `DCPCTL_CPU_KERNELS=0`
-opts out (the baseline of benchmarks/decode_throughput.py).
+later processes load the cached library in milliseconds. The build targets the level `engine.cpu_isa`
+reports (`-march=x86-64-v4` for AVX-512, `x86-64-v3` for AVX2, no `-march` on other CPUs), never
+`-march=native`, and the level names the cached build: a home directory shared between machines with
+different CPUs keeps one build per level and never loads one the CPU cannot run. Where it cannot be
+built (no C++ compiler) the engine runs on torch's own kernels and a one-line warning says why;
+`DCPCTL_CPU_KERNELS=0` opts out (the baseline of benchmarks/decode_throughput.py).
 """
 
 from __future__ import annotations
@@ -19,22 +22,26 @@ from pathlib import Path
 
 import torch
 
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]  # no implicit FMA: rotary keeps torch's bits
+from engine.cpu_isa import CpuIsa, detect
+from engine.layers.cpu_paths import KERNEL_DTYPE_NAMES, kernels_wanted
+
+KERNEL_DTYPES = tuple(getattr(torch, name) for name in KERNEL_DTYPE_NAMES)
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_kernels.cpp", "cpu_gemm.cpp"))
+BASE_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]  # no implicit FMA: rotary keeps torch's bits
 STALE_LOCK_S = 600  # a build lock this old was left by a killed build; torch would wait on it forever
 _log = logging.getLogger(__name__)
 
 
-def _build_tag() -> str:
-    """A short hash of what a build is only valid for: this CPU's feature flags (-march=native) and the torch
+def build_flags(isa: CpuIsa) -> list[str]:
+    """Compiler flags of the build for `isa`'s level."""
+    return BASE_CFLAGS + ([f"-march={isa.march}"] if isa.march else [])
+
+
+def build_name(isa: CpuIsa) -> str:
+    """The cached build's name: the ISA level's variant, then a short hash of the sources' flags and the torch
     install it links against (a second venv sharing the cache would otherwise rebuild it at every switch)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        flags = next(line for line in lines if line.startswith(("flags", "Features")))
-    except (OSError, StopIteration):
-        flags = torch.backends.cpu.get_cpu_capability()
-    return hashlib.sha1(f"{flags}|{torch.__version__}|{torch.__file__}".encode()).hexdigest()[:8]
+    key = f"{' '.join(build_flags(isa))}|{torch.__version__}|{torch.__file__}"
+    return f"dcpctl_cpu_kernels_{isa.build_variant.replace('-', '_')}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
 
 
 def kernels_dir() -> Path:
@@ -42,8 +49,8 @@ def kernels_dir() -> Path:
     return Path.home() / ".cache" / "dcpctl" / "kernels"
 
 
-def build_kernels(source: Path, name: str) -> str | None:
-    """Compile (or load the cached build of) `source` as torch ops; None when loaded, else why not, in one line."""
+def build_kernels(sources: tuple[Path, ...], name: str, cflags: list[str]) -> str | None:
+    """Compile (or load the cached build of) `sources` as torch ops; None when loaded, else why not, in one line."""
     from torch.utils.cpp_extension import load
 
     compiler = os.environ.get("CXX", "c++")
@@ -59,7 +66,8 @@ def build_kernels(source: Path, name: str) -> str | None:
 
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
     try:
-        load(name, sources=[str(source)], extra_cflags=CFLAGS, build_directory=str(build_dir), is_python_module=False)
+        paths = [str(source) for source in sources]
+        load(name, sources=paths, extra_cflags=cflags, build_directory=str(build_dir), is_python_module=False)
     except (OSError, RuntimeError, ImportError) as exc:
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         log = build_dir / "error.log"
@@ -69,19 +77,38 @@ def build_kernels(source: Path, name: str) -> str | None:
 
 
 @functools.cache
-def cpu_kernels_available() -> bool:
-    """Build (first time) and load the kernels; False, with a warning, where that is not possible."""
-    if os.environ.get("DCPCTL_CPU_KERNELS", "1") == "0":
-        return False
-    problem = build_kernels(SOURCE, f"dcpctl_cpu_kernels_{_build_tag()}")
+def loaded_build() -> str | None:
+    """Build (first time) and load the kernels for this process's ISA level: the build's name, or None, with a
+    warning, where that is not possible. One build per process: its ops are registered under one name."""
+    if not kernels_wanted():
+        return None
+    isa = detect()
+    name = build_name(isa)
+    problem = build_kernels(SOURCES, name, build_flags(isa))
     if problem:
         _log.warning("dcpctl CPU kernels unavailable, using torch's (%s)", problem)
-    return problem is None
+        return None
+    return name
+
+
+def cpu_kernels_available() -> bool:
+    """True when the engine's kernels are loaded in this process (built first if needed)."""
+    return loaded_build() is not None
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) for a few rows of x, fp32 or bf16 on CPU (see `cpu_kernels_available`)."""
     return torch.ops.dcpctl.gemv(x, weight, bias)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of a [n, k] fp32/bf16 weight reordered into the panels `panel_linear` reads (same dtype)."""
+    return torch.ops.dcpctl.pack_panels(weight.detach().contiguous())
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) for any rows of a 2-D x, against `pack_panels(weight)` of a weight with n rows."""
+    return torch.ops.dcpctl.panel_linear(x, panels, n, bias)
 
 
 def store_kv(new_kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -104,4 +131,4 @@ def paged_decode(
 
 
 if __name__ == "__main__":  # scripts/setup.sh: build now rather than in the first run
-    print("dcpctl CPU kernels:", "ready" if cpu_kernels_available() else "unavailable (torch's kernels are used)")
+    print(f"dcpctl CPU kernels ({detect().describe()}):", loaded_build() or "unavailable (torch's kernels are used)")

@@ -12,10 +12,11 @@ import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine import devices
+from engine import cpu_isa, devices
 from engine.checkpoints.aliases import is_alias, resolve_model_path
 from engine.errors import UserError
 from engine.kv_sizing import KVSizing, format_bytes, kv_sizing, parse_memory
+from engine.layers.cpu_paths import CpuPaths, kernels_wanted
 from engine.model_info import ModelInfo, dtype_bytes, read_model_info
 from engine.parallel_layout import ParallelLayout, divisors, layout_problems
 from engine.plan.loader import LoadedPlan, PlanLoadError, PlanProblem, load_plan
@@ -44,6 +45,7 @@ class PlanReport:
     backend: str = ""
     max_model_len: int | None = None
     kv_budget_bytes: int | None = None
+    cpu_paths: CpuPaths | None = None  # CPU plans: the ISA level and the kernels chosen from it
 
     @property
     def valid(self) -> bool:
@@ -224,6 +226,17 @@ def _resolve_backend(report: PlanReport, plan: Plan) -> None:
         report.warnings.append("attention.backend=triton on CPU runs in the Triton interpreter (slow; for tests)")
 
 
+def _resolve_cpu_paths(report: PlanReport) -> None:
+    if report.device != "cpu":
+        return
+    try:
+        isa = cpu_isa.detect()
+    except UserError as exc:
+        report.error(cpu_isa.ENV, str(exc))
+        return
+    report.cpu_paths = CpuPaths(isa, report.dtype, kernels_wanted(), report.backend)
+
+
 def _check_model(report: PlanReport, plan: Plan, info: ModelInfo) -> None:
     p = plan.parallel
     problems = layout_problems(p.tp, p.dcp, info.num_heads, info.num_kv_heads, info.is_mla)
@@ -355,6 +368,7 @@ def check_plan(loaded: LoadedPlan, strict: bool = False) -> PlanReport:
     _resolve_dtypes(report, plan)
     _check_static(report, plan)
     _resolve_backend(report, plan)
+    _resolve_cpu_paths(report)
     if info is not None:
         _check_kv(report, plan, info)
     _check_devices(report, plan)

@@ -1,10 +1,8 @@
 // CPU kernels for decode-sized work, registered as torch ops under `dcpctl::`.
 //
 // At batch 1 a decode step on CPU is bound by reading the weights and, once that is fast, by the
-// fixed cost of many small torch ops. These kernels do the per-token work of a step in one pass each:
-//   gemv          y = x @ w.T (+ bias) for a few rows. oneDNN's packed path reads the weights at
-//                 50-65% of the memory bandwidth here, this row-streaming loop at ~90%
-//                 (benchmarks/gemv_roofline.py). Rows of w split over torch's intra-op threads.
+// fixed cost of many small torch ops. These kernels do the per-token work of a step in one pass each
+// (the matmuls are in cpu_gemm.cpp, built into the same library):
 //   rms_norm      HF's RMSNorm (fp32 statistics, rounding as HF rounds), optionally after the residual add.
 //   rotary        rotary embedding of a [tokens, heads, dim] view, in fp32 as torch computes it (same bits).
 //   store_kv      new keys/values into the paged cache through the slot mapping.
@@ -31,60 +29,6 @@ inline float bf16_to_float(uint16_t bits) {
   float value;
   std::memcpy(&value, &widened, sizeof(value));
   return value;
-}
-
-inline float dot(const float* row, const float* x, int64_t k) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < k; ++i) acc += row[i] * x[i];
-  return acc;
-}
-
-inline float dot(const uint16_t* row, const float* x, int64_t k) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < k; ++i) acc += bf16_to_float(row[i]) * x[i];
-  return acc;
-}
-
-// Weight rows per task: a few KB of w each, so both threads stream from the start.
-constexpr int64_t kGrainRows = 16;
-
-template <typename W, typename Out, typename Store>
-void gemv_rows(const W* w, const float* x, const Out* bias, int64_t m, int64_t n, int64_t k, Store store) {
-  at::parallel_for(0, n, kGrainRows, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const W* row = w + j * k;
-      const float b = bias ? static_cast<float>(bias[j]) : 0.f;
-      for (int64_t i = 0; i < m; ++i) store(i * n + j, dot(row, x + i * k, k) + b);
-    }
-  });
-}
-
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [m, k] and w [n, k] expected");
-  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "gemv: x and w must share a dtype");
-  TORCH_CHECK(w.is_contiguous(), "gemv: w must be contiguous");
-  const int64_t m = x.size(0), n = w.size(0), k = w.size(1);
-  const at::Tensor xc = x.contiguous();
-  const at::Tensor bc = bias.has_value() ? bias->contiguous() : at::Tensor();
-  TORCH_CHECK(!bc.defined() || (bc.numel() == n && bc.scalar_type() == w.scalar_type()), "gemv: bias [n] expected");
-  at::Tensor out = at::empty({m, n}, x.options());
-  if (w.scalar_type() == at::kFloat) {
-    float* y = out.data_ptr<float>();
-    gemv_rows(w.data_ptr<float>(), xc.data_ptr<float>(), bc.defined() ? bc.data_ptr<float>() : nullptr, m, n, k,
-              [y](int64_t at, float v) { y[at] = v; });
-  } else {
-    TORCH_CHECK(w.scalar_type() == at::kBFloat16, "gemv: float32 or bfloat16 expected");
-    std::vector<float> xf(m * k);
-    const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-    for (int64_t i = 0; i < m * k; ++i) xf[i] = bf16_to_float(xs[i]);
-    auto* y = out.data_ptr<c10::BFloat16>();
-    gemv_rows(reinterpret_cast<const uint16_t*>(w.data_ptr()), xf.data(),
-              bc.defined() ? bc.data_ptr<c10::BFloat16>() : nullptr, m, n, k,
-              [y](int64_t at, float v) { y[at] = c10::BFloat16(v); });
-  }
-  return out;
 }
 
 inline float to_float(float v) { return v; }
@@ -387,7 +331,6 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
 }  // namespace
 
 TORCH_LIBRARY(dcpctl, m) {
-  m.def("gemv(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, bool interleaved) -> Tensor");
   m.def("store_kv(Tensor new_kv, Tensor(a!) cache, Tensor slots) -> ()");
@@ -397,7 +340,6 @@ TORCH_LIBRARY(dcpctl, m) {
 }
 
 TORCH_LIBRARY_IMPL(dcpctl, CPU, m) {
-  m.impl("gemv", &gemv);
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary", &rotary);
   m.impl("store_kv", &store_kv);

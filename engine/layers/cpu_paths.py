@@ -1,0 +1,66 @@
+"""Which kernel each part of a CPU step runs: chosen once from the ISA level (`engine.cpu_isa`) and the dtype.
+
+The one place these choices are made: `cpu_gemm` packs the linear layers by it, and `plan validate` /
+`plan show` and the engine's start-up line print it. No torch import (plan checks use it).
+
+Linear layers, per dtype: 1-2 rows (batch-1/2 decode) take the engine's GEMV on the plain weight; more rows
+take a pre-packed GEMM, oneDNN's or the engine's panel GEMM (csrc/cpu_gemm.cpp). oneDNN packs bfloat16 only
+on CPUs with AVX-512 (or AVX-NE-CONVERT); elsewhere bf16 takes the panel GEMM, which keeps the weights in
+bf16 and widens them in registers. Measured (benchmarks/RESULTS.md): the panel GEMM is 1.3x oneDNN's fp32
+at 16 rows and within 10% at prefill sizes, on the AVX-512 and the AVX2 build alike; oneDNN's bf16 with
+AVX512-BF16 dot products is 1.4-2.4x the panel GEMM.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from engine.cpu_isa import CpuIsa
+
+GEMV_MAX_ROWS = 2  # above this many rows a packed GEMM is faster than the GEMV (benchmarks/gemv_roofline.py)
+GEMM_NAMES = {"onednn": "oneDNN packed", "panels": "engine panel GEMM", "torch": "torch F.linear"}
+KERNEL_DTYPE_NAMES = ("float32", "bfloat16")  # what the engine's C++ kernels take
+
+
+def kernels_wanted() -> bool:
+    """False when DCPCTL_CPU_KERNELS=0 opts out of the engine's C++ kernels."""
+    return os.environ.get("DCPCTL_CPU_KERNELS", "1") != "0"
+
+
+def gemm_choices(isa: CpuIsa, dtype: str, kernels: bool) -> tuple[str, ...]:
+    """The GEMMs for more than GEMV_MAX_ROWS rows, best first; a layer takes the first that packs its weight."""
+    if dtype not in KERNEL_DTYPE_NAMES:
+        return ("torch",)
+    onednn_first = dtype == "float32" or isa.onednn_bf16
+    choices = ("onednn", "panels") if onednn_first else ("panels", "onednn")
+    return (*(c for c in choices if kernels or c != "panels"), "torch")
+
+
+def describe_paths(isa: CpuIsa, kernels: str, dtype: str, gemms: str, gemv: bool, decode: str) -> str:
+    """The one-line form plan show / validate and the engine's start-up line print."""
+    rows = f"GEMV for 1-{GEMV_MAX_ROWS} rows, {gemms} for more" if gemv else gemms
+    return (
+        f"CPU ISA {isa.describe()}; C++ kernels: {kernels}; {dtype} linear layers: {rows}; decode attention: {decode}"
+    )
+
+
+@dataclass(frozen=True)
+class CpuPaths:
+    """The kernels a CPU plan will run: ISA level, kernel build, and the dtype's matmul and attention paths."""
+
+    isa: CpuIsa
+    dtype: str
+    kernels: bool
+    backend: str
+
+    @property
+    def gemm(self) -> str:
+        return gemm_choices(self.isa, self.dtype, self.kernels)[0]
+
+    def describe(self) -> str:
+        """What the plan will run here (the start-up line reports what actually loaded)."""
+        build = f"{self.isa.build_variant} build" if self.kernels else "off (DCPCTL_CPU_KERNELS=0)"
+        gemv = self.kernels and self.dtype in KERNEL_DTYPE_NAMES
+        decode = "engine paged decode kernel" if self.kernels and self.backend == "cpu" else f"{self.backend} backend"
+        return describe_paths(self.isa, build, self.dtype, GEMM_NAMES[self.gemm], gemv, decode)

@@ -1,0 +1,344 @@
+// The engine's CPU matmuls, registered as torch ops under `dcpctl::` (the library is cpu_kernels.cpp's):
+//   gemv          y = x @ w.T (+ bias) for a few rows, on the plain [n, k] weight. oneDNN's packed path reads
+//                 the weights at 50-65% of the memory bandwidth here, this row-streaming loop at ~90%
+//                 (benchmarks/gemv_roofline.py). Rows of w split over torch's intra-op threads.
+//   pack_panels   a [n, k] weight reordered once into panels of kPanel output columns, [n / kPanel, k, kPanel]
+//                 (the last panel zero-padded), in the weight's own dtype.
+//   panel_linear  y = x @ w.T (+ bias) for any number of rows against those panels: the register-blocked
+//                 outer product BLAS libraries use (a block of x rows times one panel, k steps of one FMA per
+//                 row and vector), fp32 accumulation, bf16 weights widened in registers. It is the bf16 path
+//                 where oneDNN has none (CPUs without AVX-512 or AVX-NE-CONVERT) and keeps bf16's memory.
+// This file is built once per ISA level (cpu_kernels.py): the vector width comes from the -march it gets.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// One vector register of fp32 lanes, as wide as this build's ISA has (GCC vector types: the intrinsics'
+// __m512 / __m256 are such types too, so lanes can be indexed).
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+using vfloat = __m512;
+inline vfloat vfma(vfloat a, vfloat b, vfloat acc) { return _mm512_fmadd_ps(a, b, acc); }
+inline vfloat vsplat(float s) { return _mm512_set1_ps(s); }
+inline vfloat vload(const uint16_t* p) {  // bf16 -> fp32 is the bits shifted into the upper half
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kLanes = 8;
+using vfloat = __m256;
+inline vfloat vfma(vfloat a, vfloat b, vfloat acc) { return _mm256_fmadd_ps(a, b, acc); }
+inline vfloat vsplat(float s) { return _mm256_set1_ps(s); }
+inline vfloat vload(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#else
+constexpr int64_t kLanes = 4;  // portable build: SSE2 on x86-64, NEON on arm64; no fused multiply-add
+typedef float vfloat __attribute__((vector_size(16)));
+inline vfloat vfma(vfloat a, vfloat b, vfloat acc) { return a * b + acc; }
+inline vfloat vsplat(float s) { return vfloat{s, s, s, s}; }
+#endif
+typedef uint16_t vbf16 __attribute__((vector_size(kLanes * 2)));
+typedef uint32_t vbits __attribute__((vector_size(kLanes * 4)));
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
+inline vfloat vload(const uint16_t* p) {  // bf16 -> fp32 is the bits shifted into the upper half
+  vbf16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const vbits w = __builtin_convertvector(h, vbits) << 16;
+  vfloat v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+#endif
+
+constexpr int64_t kPanel = 2 * kLanes;  // output columns per panel: two vectors
+// x rows per register block: IB rows x 2 vectors of accumulators, plus 2 weight vectors and a broadcast,
+// must fit the 32 (AVX-512) or 16 (AVX2, SSE) vector registers
+constexpr int64_t kBlockRows = kLanes == 16 ? 12 : 6;
+constexpr int64_t kChunkBytes = 256 * 1024;  // x rows per pass over a thread's panels: they stay in L2
+
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t widened = uint32_t(bits) << 16;
+  float value;
+  std::memcpy(&value, &widened, sizeof(value));
+  return value;
+}
+
+inline float to_fp32(float v) { return v; }
+inline float to_fp32(uint16_t bits) { return bf16_to_float(bits); }
+
+// fp32 -> fp32, or -> bf16 bits rounded to nearest even as c10::BFloat16 rounds (NaN -> 0x7FC0)
+template <typename Out>
+inline Out from_fp32(float v) {
+  if constexpr (std::is_same_v<Out, float>) {
+    return v;
+  } else {
+    return c10::BFloat16(v).x;
+  }
+}
+
+inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline void vstore(uint16_t* p, vfloat v) {
+  vbits bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const vbits nan = (vbits)(v != v);
+  const vbits rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const vbf16 h = __builtin_convertvector((rounded & ~nan) | (0x7FC0u & nan), vbf16);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+inline vfloat vload(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float dot(const float* row, const float* x, int64_t k) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < k; ++i) acc += row[i] * x[i];
+  return acc;
+}
+
+inline float dot(const uint16_t* row, const float* x, int64_t k) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < k; ++i) acc += bf16_to_float(row[i]) * x[i];
+  return acc;
+}
+
+// Weight rows per task: a few KB of w each, so both threads stream from the start.
+constexpr int64_t kGrainRows = 16;
+
+// x as fp32 [m, k] (a bf16 x is widened once; an fp32 x is used in place)
+const float* fp32_rows(const at::Tensor& x, std::vector<float>& widened) {
+  if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
+  widened.resize(x.numel());
+  const auto* bits = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  for (int64_t i = 0; i < x.numel(); ++i) widened[i] = bf16_to_float(bits[i]);
+  return widened.data();
+}
+
+// bias as fp32 [n], or nullptr
+const float* fp32_bias(const std::optional<at::Tensor>& bias, int64_t n, at::ScalarType dtype, std::vector<float>& out) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->numel() == n && bias->scalar_type() == dtype, "dcpctl linear: bias [n] of the weight's dtype expected");
+  const at::Tensor b = bias->contiguous();
+  out.resize(n);
+  if (dtype == at::kFloat) {
+    std::memcpy(out.data(), b.data_ptr<float>(), n * sizeof(float));
+  } else {
+    const auto* bits = reinterpret_cast<const uint16_t*>(b.data_ptr());
+    for (int64_t j = 0; j < n; ++j) out[j] = bf16_to_float(bits[j]);
+  }
+  return out.data();
+}
+
+// y [m, n] from fp32 values: stores fp32, or rounds once to bf16
+struct Output {
+  float* f32 = nullptr;
+  c10::BFloat16* bf16 = nullptr;
+  void put(int64_t at, float v) const {
+    if (f32) {
+      f32[at] = v;
+    } else {
+      bf16[at] = c10::BFloat16(v);
+    }
+  }
+};
+
+Output output_of(at::Tensor& out) {
+  Output o;
+  if (out.scalar_type() == at::kFloat) {
+    o.f32 = out.data_ptr<float>();
+  } else {
+    o.bf16 = out.data_ptr<c10::BFloat16>();
+  }
+  return o;
+}
+
+void check_weight(const at::Tensor& x, const at::Tensor& w, const char* op) {
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), op, ": x and w must share a dtype");
+  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, op, ": float32 or bfloat16 expected");
+  TORCH_CHECK(w.is_contiguous(), op, ": w must be contiguous");
+}
+
+template <typename W>
+void gemv_rows(const W* w, const float* x, const float* bias, int64_t m, int64_t n, int64_t k, const Output& y) {
+  at::parallel_for(0, n, kGrainRows, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const W* row = w + j * k;
+      const float b = bias ? bias[j] : 0.f;
+      for (int64_t i = 0; i < m; ++i) y.put(i * n + j, dot(row, x + i * k, k) + b);
+    }
+  });
+}
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [m, k] and w [n, k] expected");
+  check_weight(x, w, "gemv");
+  const int64_t m = x.size(0), n = w.size(0), k = w.size(1);
+  const at::Tensor xc = x.contiguous();
+  std::vector<float> xf, bf;
+  const float* xs = fp32_rows(xc, xf);
+  const float* bs = fp32_bias(bias, n, w.scalar_type(), bf);
+  at::Tensor out = at::empty({m, n}, x.options());
+  const Output y = output_of(out);
+  if (w.scalar_type() == at::kFloat) {
+    gemv_rows(w.data_ptr<float>(), xs, bs, m, n, k, y);
+  } else {
+    gemv_rows(reinterpret_cast<const uint16_t*>(w.data_ptr()), xs, bs, m, n, k, y);
+  }
+  return out;
+}
+
+at::Tensor pack_panels(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2, "pack_panels: a [n, k] weight expected");
+  check_weight(w, w, "pack_panels");
+  const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel;
+  at::Tensor out = at::zeros({panels, k, kPanel}, w.options());
+  const int64_t size = w.element_size();
+  const auto* src = static_cast<const char*>(w.data_ptr());
+  auto* dst = static_cast<char*>(out.data_ptr());
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t c = 0; c < std::min(kPanel, n - p * kPanel); ++c)
+        for (int64_t i = 0; i < k; ++i)
+          std::memcpy(dst + ((p * k + i) * kPanel + c) * size, src + ((p * kPanel + c) * k + i) * size, size);
+  });
+  return out;
+}
+
+// x's rows split into register blocks of at most kBlockRows, as even as possible (16 rows: 8 + 8, not 12 + 4)
+struct RowBlocks {
+  int64_t count, base, extra;
+  explicit RowBlocks(int64_t m) : count((m + kBlockRows - 1) / kBlockRows), base(m / count), extra(m % count) {}
+  int64_t first(int64_t b) const { return b * base + std::min(b, extra); }
+  int64_t rows(int64_t b) const { return base + (b < extra ? 1 : 0); }
+};
+
+// x regrouped per register block: block b holds its rows as [k][rows] at row first(b), so that the micro-kernel's
+// broadcasts read one contiguous stream. Widens a bf16 x on the way.
+template <typename X>
+std::vector<float> pack_row_blocks(const X* x, const RowBlocks& blocks, int64_t k) {
+  std::vector<float> out(blocks.first(blocks.count) * k);
+  at::parallel_for(0, blocks.count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t first = blocks.first(b), rows = blocks.rows(b);
+      float* block = out.data() + first * k;
+      for (int64_t i = 0; i < rows; ++i)
+        for (int64_t p = 0; p < k; ++p) block[p * rows + i] = to_fp32(x[(first + i) * k + p]);
+    }
+  });
+  return out;
+}
+
+// IB rows of x ([k][IB] from pack_row_blocks) times one panel [k, kPanel] into y (row stride ldy) at the panel's
+// first column; `cols` of its columns are real (the last panel's are fewer), bias (fp32) starts at that column
+template <int64_t IB, typename W, typename Out>
+inline void panel_block(const float* xt, int64_t k, const W* panel, const float* bias, Out* y, int64_t ldy,
+                        int64_t cols) {
+  vfloat lo[IB], hi[IB];
+  for (int64_t i = 0; i < IB; ++i) lo[i] = hi[i] = vfloat{};
+  for (int64_t p = 0; p < k; ++p, panel += kPanel, xt += IB) {
+    const vfloat w0 = vload(panel), w1 = vload(panel + kLanes);
+    for (int64_t i = 0; i < IB; ++i) {
+      const vfloat xi = vsplat(xt[i]);
+      lo[i] = vfma(xi, w0, lo[i]);
+      hi[i] = vfma(xi, w1, hi[i]);
+    }
+  }
+  for (int64_t i = 0; i < IB; ++i, y += ldy) {
+    if (cols == kPanel) {
+      vstore(y, bias ? lo[i] + vload(bias) : lo[i]);
+      vstore(y + kLanes, bias ? hi[i] + vload(bias + kLanes) : hi[i]);
+    } else {
+      for (int64_t c = 0; c < cols; ++c)
+        y[c] = from_fp32<Out>((c < kLanes ? lo[i][c] : hi[i][c - kLanes]) + (bias ? bias[c] : 0.f));
+    }
+  }
+}
+
+// a block's row count is only known at run time: pick its instantiation
+template <typename W, typename Out, int64_t IB = kBlockRows>
+inline void panel_block_of(int64_t rows, const float* xt, int64_t k, const W* panel, const float* bias, Out* y,
+                           int64_t ldy, int64_t cols) {
+  if constexpr (IB > 0) {
+    if (rows == IB) return panel_block<IB>(xt, k, panel, bias, y, ldy, cols);
+    panel_block_of<W, Out, IB - 1>(rows, xt, k, panel, bias, y, ldy, cols);
+  }
+}
+
+// Threads split the panels; each takes x a chunk of blocks at a time (the chunk stays in L2) against its panels.
+template <typename W, typename Out>
+void panel_gemm(const float* xt, const RowBlocks& blocks, const W* panels, const float* bias, int64_t n, int64_t k,
+                Out* y) {
+  const int64_t count = (n + kPanel - 1) / kPanel;
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (kBlockRows * k * int64_t(sizeof(float))));
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b0 = 0; b0 < blocks.count; b0 += chunk) {
+      for (int64_t p = begin; p < end; ++p) {
+        const W* panel = panels + p * k * kPanel;
+        const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
+        for (int64_t b = b0; b < std::min(blocks.count, b0 + chunk); ++b) {
+          const int64_t first = blocks.first(b);
+          panel_block_of(blocks.rows(b), xt + first * k, k, panel, bias ? bias + col : nullptr, y + first * n + col, n,
+                         cols);
+        }
+      }
+    }
+  });
+}
+
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.size(0) == (n + kPanel - 1) / kPanel,
+              "panel_linear: panels from pack_panels of this build expected");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == panels.size(1), "panel_linear: x [m, k] expected");
+  check_weight(x, panels, "panel_linear");
+  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const at::Tensor xc = x.contiguous();
+  std::vector<float> bf;
+  const float* bs = fp32_bias(bias, n, panels.scalar_type(), bf);
+  const RowBlocks blocks(m);
+  if (panels.scalar_type() == at::kFloat) {
+    const std::vector<float> xt = pack_row_blocks(xc.data_ptr<float>(), blocks, k);
+    panel_gemm(xt.data(), blocks, panels.data_ptr<float>(), bs, n, k, out.data_ptr<float>());
+  } else {
+    const std::vector<float> xt = pack_row_blocks(reinterpret_cast<const uint16_t*>(xc.data_ptr()), blocks, k);
+    panel_gemm(xt.data(), blocks, reinterpret_cast<const uint16_t*>(panels.data_ptr()), bs, n, k,
+               reinterpret_cast<uint16_t*>(out.data_ptr()));
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dcpctl, m) {
+  m.def("gemv(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
+  m.def("pack_panels(Tensor w) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dcpctl, CPU, m) {
+  m.impl("gemv", &gemv);
+  m.impl("pack_panels", &pack_panels);
+  m.impl("panel_linear", &panel_linear);
+}

@@ -1,0 +1,284 @@
+"""The CPU's ISA level and every kernel path chosen from it: detection, DCPCTL_CPU_ISA, the kernel build per level,
+the GEMM per dtype (oneDNN where it packs, the engine's panel GEMM elsewhere) and the fallback when a GEMM refuses.
+
+The last tests run the engine's equivalence tests again in a process forced to the AVX2 view (DCPCTL_CPU_ISA=avx2,
+which also caps oneDNN and ATen at AVX2), so a machine with AVX-512 covers what AVX2-only CPUs run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import cpu_isa
+from engine.errors import UserError
+from engine.layers import cpu_gemm, cpu_kernels
+from engine.layers.cpu_paths import CpuPaths, gemm_choices
+from tests.oracle import hf_bf16_disagreements, prompt_ids, write_plan
+
+REPO = Path(__file__).resolve().parents[1]
+ZEN4 = cpu_isa._names(
+    "fpu sse2 ssse3 sse4_1 sse4_2 cx16 lahf_lm popcnt movbe xsave avx f16c fma abm bmi1 bmi2 avx2 avx512f avx512dq "
+    "avx512cd avx512bw avx512vl avx512_bf16 avx512_vnni"
+)
+EPYC_AVX2 = frozenset(f for f in ZEN4 if not f.startswith("avx512"))  # the issue's machine: fma avx f16c avx2
+NEEDS_KERNELS = pytest.mark.skipif(not cpu_kernels.cpu_kernels_available(), reason="the CPU kernels did not build here")
+
+
+@pytest.fixture
+def isa_view(monkeypatch):
+    """Set DCPCTL_CPU_ISA for this test only (detection is cached per process)."""
+
+    def _set(level: str | None) -> cpu_isa.CpuIsa:
+        if level is None:
+            monkeypatch.delenv(cpu_isa.ENV, raising=False)
+        else:
+            monkeypatch.setenv(cpu_isa.ENV, level)
+        cpu_isa.detect.cache_clear()
+        return cpu_isa.detect()
+
+    yield _set
+    monkeypatch.undo()
+    cpu_isa.detect.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("flags", "machine", "level"),
+    [
+        (ZEN4, "x86_64", "avx512"),
+        (EPYC_AVX2, "x86_64", "avx2"),
+        (EPYC_AVX2 - {"movbe"}, "x86_64", "baseline"),  # x86-64-v3 needs every one of its flags
+        (ZEN4 - {"avx512vl"}, "x86_64", "avx2"),
+        (ZEN4, "aarch64", "baseline"),
+        (frozenset(), "x86_64", "baseline"),
+    ],
+)
+def test_level_of_cpu_flags(flags, machine, level):
+    assert cpu_isa.level_of(flags, machine) == level
+
+
+def test_forcing_a_lower_level_hides_the_flags_above_it(isa_view):
+    native = isa_view(None)
+    if native.level != "avx512":
+        pytest.skip(f"needs an AVX-512 CPU to force below it (this one: {native.describe()})")
+    forced = isa_view("avx2")
+    assert forced.level == "avx2" and forced.detected == "avx512" and forced.forced
+    assert not any(f.startswith("avx512") for f in forced.flags) and "avx2" in forced.flags
+    assert not forced.onednn_bf16 and forced.march == "x86-64-v3"
+    assert forced.describe() == "avx2, forced by DCPCTL_CPU_ISA (the CPU has avx512)"
+    assert cpu_isa.torch_isa_env(forced) == {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    assert cpu_isa.torch_isa_env(native) == {}
+    assert isa_view("baseline").march is None
+
+
+def test_forcing_never_raises_the_level_and_typos_are_named(isa_view):
+    native = isa_view(None)
+    highest = isa_view("avx512")
+    assert highest.level == native.level and not highest.forced
+    with pytest.raises(UserError, match=r"DCPCTL_CPU_ISA='avx3' is not one of auto, baseline, avx2, avx512"):
+        isa_view("avx3")
+
+
+def test_each_level_has_its_own_portable_build(isa_view):
+    """-march per level (never native), and the level in the cache key: a shared home never loads a build the CPU
+    cannot run, and levels do not rebuild over each other."""
+    levels = {
+        level: cpu_isa.CpuIsa(level, "avx512", frozenset())
+        for level in ("baseline", "avx2", "avx512")  # what a CPU of each level would build
+    }
+    flags = {level: cpu_kernels.build_flags(isa) for level, isa in levels.items()}
+    assert "-march=x86-64-v4" in flags["avx512"] and "-march=x86-64-v3" in flags["avx2"]
+    assert not any(f.startswith("-march") for f in flags["baseline"])
+    assert not any("native" in f for fs in flags.values() for f in fs)
+    names = {level: cpu_kernels.build_name(isa) for level, isa in levels.items()}
+    assert len(set(names.values())) == 3
+    assert "x86_64_v4" in names["avx512"] and "x86_64_v3" in names["avx2"] and "portable" in names["baseline"]
+
+
+def test_gemm_choices_per_level_and_dtype():
+    avx512 = cpu_isa.CpuIsa("avx512", "avx512", ZEN4)
+    avx2 = cpu_isa.CpuIsa("avx2", "avx2", EPYC_AVX2)
+    assert gemm_choices(avx512, "bfloat16", True) == ("onednn", "panels", "torch")
+    assert gemm_choices(avx2, "bfloat16", True) == ("panels", "onednn", "torch")
+    assert gemm_choices(avx2, "bfloat16", False) == ("onednn", "torch")
+    assert gemm_choices(avx2, "float32", True)[0] == "onednn"
+    assert gemm_choices(avx2, "float16", True) == ("torch",)
+    line = CpuPaths(avx2, "bfloat16", True, "cpu").describe()
+    assert line == (
+        "CPU ISA avx2; C++ kernels: x86-64-v3 build; bfloat16 linear layers: GEMV for 1-2 rows, engine panel GEMM "
+        "for more; decode attention: engine paged decode kernel"
+    )
+
+
+def _layer(weight: torch.Tensor) -> cpu_gemm.PackableLinear:
+    layer = cpu_gemm.PackableLinear()
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    layer.pack()
+    return layer
+
+
+def _bf16_within_one_step(out: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 outputs of an fp32-accumulated product, rounded once: at most one bf16 step from the exact value."""
+    step = torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    assert ((out.double() - want).abs() <= step).all()
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 3, 7, 16, 29, 77])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_panel_gemm_matches_exact_products(dtype, rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(333, 70, generator=g).to(dtype)  # odd sizes: a partial last panel, no vector-width k
+    bias = torch.randn(333, generator=g).to(dtype) if with_bias else None
+    x = torch.randn(rows, 70, generator=g).to(dtype)
+    out = cpu_kernels.panel_linear(x, cpu_kernels.pack_panels(weight), 333, bias)
+    want = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert out.dtype == dtype and out.shape == (rows, 333)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    else:
+        _bf16_within_one_step(out, want)
+
+
+@NEEDS_KERNELS
+def test_panel_gemm_keeps_nan_and_takes_strided_weights():
+    weight = torch.randn(70, 40).t()  # a [40, 70] view with strides (1, 40)
+    x = torch.randn(5, 70).to(torch.bfloat16)
+    x[2, 3] = float("nan")
+    out = cpu_kernels.panel_linear(x, cpu_kernels.pack_panels(weight.to(torch.bfloat16)), 40)
+    assert out[2].isnan().all() and not out[[0, 1, 3, 4]].isnan().any()
+    torch.testing.assert_close(
+        cpu_kernels.panel_linear(x.float()[:2], cpu_kernels.pack_panels(weight), 40), x.float()[:2] @ weight.T
+    )
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layers_take_the_gemm_the_isa_level_allows(dtype):
+    """bf16 takes oneDNN only where oneDNN packs it (AVX-512 / AVX-NE-CONVERT), else the panel GEMM; fp32 oneDNN."""
+    g = torch.Generator().manual_seed(1)
+    weight, x = torch.randn(96, 64, generator=g).to(dtype), torch.randn(17, 64, generator=g).to(dtype)
+    if not cpu_gemm.packing_available():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    layer = _layer(weight)
+    assert layer.gemm == ("onednn" if dtype == torch.float32 or cpu_isa.detect().onednn_bf16 else "panels")
+    torch.testing.assert_close(layer.project(x).float(), (x.float() @ weight.float().T), atol=0.1, rtol=2e-2)
+
+
+@NEEDS_KERNELS
+def test_an_avx2_view_takes_the_panel_gemm_for_bf16(isa_view):
+    isa_view("avx2")
+    assert _layer(torch.randn(64, 32).to(torch.bfloat16)).gemm == "panels"
+    assert _layer(torch.randn(64, 32)).gemm in ("onednn", "torch")
+
+
+@NEEDS_KERNELS
+def test_a_refused_packing_falls_back_instead_of_crashing(monkeypatch, caplog):
+    """torch raises for oneDNN bf16 packing on CPUs it does not support: the layer takes the next GEMM."""
+
+    def refuse(weight):
+        raise RuntimeError(
+            "mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl "
+            "and avx512dq"
+        )
+
+    monkeypatch.setattr(cpu_gemm, "pack_weight", refuse)
+    monkeypatch.setattr(cpu_gemm, "gemm_choices", lambda isa, dtype, kernels: ("onednn", "panels", "torch"))
+    cpu_gemm._warn_refused.cache_clear()
+    weight, x = torch.randn(40, 24).to(torch.bfloat16), torch.randn(9, 24).to(torch.bfloat16)
+    with caplog.at_level(logging.WARNING):
+        layer = _layer(weight)
+    assert layer.gemm == "panels"
+    assert "oneDNN refused to pack bfloat16 weights here (mkldnn_reorder_linear_weight" in caplog.text
+    _bf16_within_one_step(layer.project(x), x.double() @ weight.double().T)
+
+    monkeypatch.setattr(cpu_gemm, "gemm_choices", lambda isa, dtype, kernels: ("onednn", "torch"))
+    layer = _layer(weight)  # no engine kernels either: torch's F.linear
+    assert layer.gemm == "torch" and layer.packed is None
+    assert torch.equal(layer.project(x), torch.nn.functional.linear(x, weight))
+
+
+@pytest.mark.slow
+def test_engine_bf16_tokens_are_hf_bf16s(tmp_path, tiny_models):
+    """bf16 greedy tokens against HF bf16 by the rule in tests/oracle.py (`hf_bf16_disagreements`), on the
+    path this process's ISA level chooses; the forced-AVX2 run below repeats it on the AVX2 path."""
+    from engine import LLM, SamplingParams
+
+    folder = tiny_models("llama")
+    prompts = prompt_ids(4, [1, 9, 40, 130], seed=7)
+    plan = write_plan(tmp_path, folder, {"model.dtype": "bfloat16", "attention.backend": "cpu"})
+    with LLM(plan) as llm:
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    for ids, out in zip(prompts, outputs, strict=True):
+        assert hf_bf16_disagreements(folder, ids, out.token_ids) == [], f"prompt of {len(ids)} tokens"
+    shifted = [(t + 1) % 500 for t in outputs[-1].token_ids]  # the rule does reject tokens HF would not pick
+    assert len(hf_bf16_disagreements(folder, prompts[-1], shifted)) > len(shifted) // 2
+
+
+def _forced_avx2_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")}
+    return dict(env, **{cpu_isa.ENV: "avx2"})
+
+
+FORCED_PROBE = """
+import engine, torch
+from engine import cpu_isa
+from engine.layers import cpu_gemm, cpu_kernels
+isa = cpu_isa.detect()
+w = torch.randn(64, 32).to(torch.bfloat16)
+try:
+    cpu_gemm.pack_weight(w)
+    onednn_bf16 = "packs"
+except RuntimeError:
+    onednn_bf16 = "refuses"
+layer = cpu_gemm.PackableLinear()
+layer.weight = torch.nn.Parameter(w, requires_grad=False)
+layer.pack()
+print(isa.level, cpu_kernels.loaded_build(), torch.backends.cpu.get_cpu_capability(), onednn_bf16, layer.gemm)
+"""
+
+
+@pytest.mark.slow
+def test_forced_avx2_process_runs_what_an_avx2_cpu_runs():
+    """DCPCTL_CPU_ISA=avx2: the x86-64-v3 kernel build, torch dispatching AVX2 kernels, oneDNN refusing bf16 as on
+    an AVX2-only CPU (so the emulation is real), and bf16 layers on the panel GEMM."""
+    if cpu_isa.level_of(cpu_isa._cpu_flags(), platform.machine()) == "baseline":
+        pytest.skip("this CPU has no AVX2")
+    result = subprocess.run(
+        [sys.executable, "-c", FORCED_PROBE], env=_forced_avx2_env(), cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    level, build, capability, onednn_bf16, gemm = result.stdout.split()
+    assert (level, capability, onednn_bf16, gemm) == ("avx2", "AVX2", "refuses", "panels")
+    assert build.startswith("dcpctl_cpu_kernels_x86_64_v3_")
+
+
+FORCED_SUITE = [
+    "tests/test_engine_equivalence.py::test_greedy_matches_hf",
+    "tests/test_cpu_backend.py",
+    "tests/test_layers.py",
+    "tests/test_cpu_isa.py::test_layers_take_the_gemm_the_isa_level_allows",
+    "tests/test_cpu_isa.py::test_engine_bf16_tokens_are_hf_bf16s",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_equivalence_suite_on_the_forced_avx2_path(tmp_path):
+    """The HF-equivalence and kernel tests again, in a pytest process forced to the AVX2 view: CI on an AVX-512
+    machine covers what AVX2 users run (DCPCTL_CPU_ISA=avx2 also caps oneDNN and ATen there)."""
+    if cpu_isa.level_of(cpu_isa._cpu_flags(), platform.machine()) == "baseline":
+        pytest.skip("this CPU has no AVX2")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path), *FORCED_SUITE]
+    result = subprocess.run(cmd, env=_forced_avx2_env(), cwd=REPO, capture_output=True, text=True, timeout=1500)
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-2000:]
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert " passed" in summary and "failed" not in summary and "error" not in summary, summary
