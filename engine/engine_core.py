@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,12 +27,12 @@ from engine.host_allocator import reuse_freed_memory
 from engine.io_utils import atomic_write_text
 from engine.kv_sizing import kv_sizing, parse_memory
 from engine.model_info import dtype_bytes
-from engine.model_runner import DTYPES, CacheLayout, ModelRunner, StepLogits
+from engine.model_runner import TORCH_DTYPES, CacheLayout, ModelRunner, StepLogits
 from engine.plan.checks import PlanReport
 from engine.sampler import INVALID, sample, token_logprobs
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import SamplingParams, Sequence
-from engine.step import StepPlan
+from engine.step import ScheduledStep
 from engine.weights import checkpoint_files
 
 logger = logging.getLogger("dcpctl.engine")
@@ -56,17 +56,14 @@ class EngineConfig:
     scheduler: SchedulerConfig
     prefix_caching: bool
     threads_per_rank: int
-    nnodes: int
+    local_world_size: int  # ranks on this node, which share its cores
 
     @classmethod
     def from_report(cls, report: PlanReport) -> EngineConfig:
         if not report.valid:
             raise UserError(f"plan {report.name} is invalid: " + "; ".join(str(e) for e in report.errors))
-        if report.model is None:
-            raise UserError(
-                f"plan {report.name}: model folder {report.model_path} not found "
-                f"(run `dcpctl model pull {report.plan.model.path}` or fix model.path)"
-            )
+        if report.missing_model:
+            raise UserError(report.missing_model)
         plan = report.plan
         _, fraction = parse_memory(plan.cache.memory)
         max_len = report.max_model_len or report.model.max_position_embeddings
@@ -90,15 +87,14 @@ class EngineConfig:
             ),
             prefix_caching=plan.cache.prefix_caching,
             threads_per_rank=plan.launch.threads_per_rank,
-            nnodes=plan.launch.nnodes,
+            local_world_size=report.local_world_size,
         )
 
 
-def _set_threads(config: EngineConfig, par: ParallelContext) -> None:
+def _set_threads(config: EngineConfig) -> None:
     if config.device != "cpu":
         return
-    local = max(1, par.world_size // max(1, config.nnodes))
-    torch.set_num_threads(config.threads_per_rank or max(1, devices.cpu_cores() // local))
+    torch.set_num_threads(config.threads_per_rank or max(1, devices.cpu_cores() // config.local_world_size))
 
 
 def _num_blocks(config: EngineConfig, report: PlanReport, runner: ModelRunner, par: ParallelContext) -> int:
@@ -127,7 +123,7 @@ def start_rank(report: PlanReport) -> tuple[EngineConfig, ParallelContext, Model
         par = init_single(layout, device)
     else:
         par = init_parallel(layout, config.device, config.dist_backend)
-    _set_threads(config, par)
+    _set_threads(config)
     if device.type == "cpu":
         reuse_freed_memory()
     checkpoint_files(config.model_path)  # a clear error for a folder without weights, before any work
@@ -139,7 +135,7 @@ def start_rank(report: PlanReport) -> tuple[EngineConfig, ParallelContext, Model
         hf_config,
         config.model_path,
         par,
-        DTYPES[config.dtype],
+        TORCH_DTYPES[config.dtype],
         create_backend(config.attention_backend),
         config.max_model_len,
     )
@@ -148,7 +144,7 @@ def start_rank(report: PlanReport) -> tuple[EngineConfig, ParallelContext, Model
             num_blocks=_num_blocks(config, report, runner, par),
             block_size=config.block_size,
             interleave=config.interleave,
-            dtype=DTYPES[config.cache_dtype],
+            dtype=TORCH_DTYPES[config.cache_dtype],
         )
     )
     _write_rank_stats(par, runner)
@@ -177,10 +173,10 @@ def _write_rank_stats(par: ParallelContext, runner: ModelRunner) -> None:
 def follow(par: ParallelContext, runner: ModelRunner) -> None:
     """Non-driver ranks: run every step rank 0 sends until it sends None."""
     while True:
-        plan = broadcast_object(None, par.control_group)
-        if plan is None:
+        step = broadcast_object(None, par.control_group)
+        if step is None:
             return
-        runner.execute(plan)
+        runner.execute(step)
 
 
 def _eos_ids(folder: Path, hf_config, tokenizer) -> set[int]:
@@ -200,11 +196,12 @@ def _eos_ids(folder: Path, hf_config, tokenizer) -> set[int]:
 
 
 @dataclass
-class EngineStats:
+class EngineCounters:
+    """What the engine has done since it started."""
+
     steps: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -224,7 +221,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.requests: dict[str, Sequence] = {}
         self.generators: dict[int, torch.Generator] = {}
-        self.stats = EngineStats()
+        self.counters = EngineCounters()
         self._ids = itertools.count()
         self._stopped = False
 
@@ -259,7 +256,7 @@ class LLMEngine:
             self.generators[seq.seq_id] = torch.Generator(device=self.par.device).manual_seed(params.seed)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
-        self.stats.prompt_tokens += len(ids)
+        self.counters.prompt_tokens += len(ids)
         return seq
 
     def abort(self, request_id: str) -> None:
@@ -271,6 +268,25 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def stats(self) -> dict[str, int]:
+        """KV blocks (used, free, peak), batch sizes and token counters, as of now."""
+        blocks, scheduler, counters = self.blocks, self.scheduler, self.counters
+        return {
+            "num_blocks": blocks.num_blocks,
+            "used_blocks": blocks.num_used_blocks,
+            "free_blocks": blocks.num_free_blocks,
+            "peak_used_blocks": blocks.peak_used,
+            "tokens_per_block": blocks.span,
+            "running": len(scheduler.running),
+            "waiting": len(scheduler.waiting),
+            "peak_running": scheduler.peak_running,
+            "steps": counters.steps,
+            "prompt_tokens": counters.prompt_tokens,
+            "generated_tokens": counters.generated_tokens,
+            "preemptions": scheduler.num_preemptions,
+            "prefix_hit_tokens": blocks.prefix_hit_tokens,
+        }
+
     def _finish(self, seq: Sequence, reason: str, flush: bool = True) -> None:
         if flush:
             self.detokenizer.step(seq, final=True)
@@ -281,16 +297,16 @@ class LLMEngine:
 
     def step(self) -> list[Sequence]:
         """Run one step on every rank; returns the sequences that got a token or finished."""
-        plan, seqs = self.scheduler.schedule()
-        if not plan.chunks:
+        scheduled, seqs = self.scheduler.schedule()
+        if not scheduled.chunks:
             return []
-        broadcast_object(plan, self.par.control_group)
-        result = self.runner.execute(plan)
-        self.scheduler.step_done(seqs, plan)
-        self.stats.steps += 1
-        return self._process(plan, seqs, result)
+        broadcast_object(scheduled, self.par.control_group)
+        result = self.runner.execute(scheduled)
+        self.scheduler.step_done(seqs, scheduled)
+        self.counters.steps += 1
+        return self._process(scheduled, seqs, result)
 
-    def _process(self, plan: StepPlan, seqs: list[Sequence], result: StepLogits | None) -> list[Sequence]:
+    def _process(self, scheduled: ScheduledStep, seqs: list[Sequence], result: StepLogits | None) -> list[Sequence]:
         """Sample, detokenize and check stops for the step's sequences.
 
         A failure in that work for one sequence finishes only that sequence (finish_reason "error", blocks freed);
@@ -299,7 +315,7 @@ class LLMEngine:
         """
         updated: list[Sequence] = []
         sampled_rows, sampled_seqs = [], []
-        for i, (seq, chunk) in enumerate(zip(seqs, plan.chunks, strict=True)):
+        for i, (seq, chunk) in enumerate(zip(seqs, scheduled.chunks, strict=True)):
             first, count = result.chunk_rows[i] if result else (0, 0)
             if chunk.prompt_logprobs and count:
                 try:
@@ -331,7 +347,7 @@ class LLMEngine:
                 if seq.params.logprobs is not None:
                     seq.logprobs.extend(token_logprobs(logits[row : row + 1], [token], seq.params.logprobs))
                 seq.token_ids.append(token)
-                self.stats.generated_tokens += 1
+                self.counters.generated_tokens += 1
                 if seq.first_token_time is None:
                     seq.first_token_time = now
                 self._check_stop(seq, token)

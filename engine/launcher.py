@@ -63,13 +63,12 @@ def ensure_port_free(host: str, port: int, what: str) -> None:
 def torchrun_command(report: PlanReport, worker_args: list[str]) -> list[str]:
     """The torchrun command line for this node of the plan."""
     launch = report.plan.launch
-    local = report.world_size // launch.nnodes
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         f"--nnodes={launch.nnodes}",
-        f"--nproc-per-node={local}",
+        f"--nproc-per-node={report.local_world_size}",
         f"--node-rank={launch.node_rank}",
         "--max-restarts=0",
         "--monitor-interval=0.5",

@@ -157,7 +157,6 @@ class EngineLoop:
         self._handles: dict[str, _Handle] = {}  # engine thread only
         self.error: str | None = None  # set when the engine failed
         self.stats: dict[str, Any] = {}
-        self._peak_running = 0
         self._thread = threading.Thread(target=self._run, name="dcpctl-engine", daemon=True)
 
     # ---- handler side (any thread) ----
@@ -309,24 +308,8 @@ class EngineLoop:
             logger.info("engine stopped")
 
     def _snapshot(self) -> None:
-        engine, blocks, sched = self.engine, self.engine.blocks, self.engine.scheduler
-        self._peak_running = max(self._peak_running, len(sched.running))
-        self.stats = {
-            "num_blocks": blocks.num_blocks,
-            "used_blocks": blocks.num_used_blocks,
-            "free_blocks": blocks.num_free_blocks,
-            "peak_used_blocks": blocks.peak_used,
-            "tokens_per_block": blocks.span,
-            "running": len(sched.running),
-            "waiting": len(sched.waiting),
-            "peak_running": self._peak_running,
-            "requests_in_flight": len(self._handles),
-            "steps": engine.stats.steps,
-            "prompt_tokens": engine.stats.prompt_tokens,
-            "generated_tokens": engine.stats.generated_tokens,
-            "preemptions": sched.num_preemptions,
-            "prefix_hit_tokens": blocks.prefix_hit_tokens,
-        }
+        """The engine's stats for the handlers (the engine itself is read on this thread only)."""
+        self.stats = {**self.engine.stats(), "requests_in_flight": len(self._handles)}
 
 
 # ---- one HTTP request's engine requests ----
