@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from engine import devices
-from engine.attention.backend import create_backend
+from engine.attention.registry import create_backend
 from engine.block_manager import BlockManager
 from engine.detokenizer import Detokenizer
 from engine.distributed import ParallelContext, broadcast_object, init_parallel, init_single

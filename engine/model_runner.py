@@ -15,8 +15,7 @@ import torch
 
 from engine import dcp
 from engine.attention import kv_cache
-from engine.attention.backend import AttentionBackend
-from engine.attention.metadata import AttentionMetadata, PagedKV, PrefillNew, step_metadata
+from engine.attention.backend import AttentionBackend, AttentionMetadata, PagedKV, PrefillNew, step_metadata
 from engine.distributed import ParallelContext
 from engine.layers.attention import PagedAttention
 from engine.layers.cpu_gemm import cpu_paths_line, pack_linears

@@ -12,8 +12,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from engine.attention.backend import create_backend
 from engine.attention.cpu_backend import CpuBackend
+from engine.attention.registry import create_backend
 from engine.attention.torch_backend import softmax_attention
 from engine.cpu_isa import detect
 from engine.layers import cpu_kernels

@@ -18,7 +18,7 @@ import torch
 from engine import dcp
 from engine.attention import kv_cache
 from engine.attention import triton_kernels as tk
-from engine.attention.backend import create_backend
+from engine.attention.registry import create_backend
 from engine.attention.torch_backend import softmax_attention
 from engine.errors import UserError
 from engine.model_runner import CacheLayout, ModelRunner
