@@ -1,7 +1,8 @@
 """Rank 0's engine loop: admit requests, schedule a step, send it to every rank, sample, finish.
 
-`start_rank` is what every rank runs to join the layout and build its model runner; rank 0 then
-wraps its runner in an `LLMEngine`, and the other ranks run `follow` until rank 0 stops them.
+`start_engine` is the one start-up path (the Python API and the server both take it): every rank runs
+`start_rank` to join the layout and build its model runner; rank 0 then wraps its runner in an `LLMEngine`,
+and the other ranks run `follow` until rank 0 stops them.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import itertools
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -168,6 +170,24 @@ def _write_rank_stats(par: ParallelContext, runner: ModelRunner) -> None:
         "num_blocks": runner.cache_layout.num_blocks,
     }
     atomic_write_text(Path(folder) / f"rank{par.rank}.json", json.dumps(stats))
+
+
+def start_engine(report: PlanReport, shield_followers: bool = False) -> LLMEngine | None:
+    """Every rank's start: rank 0 gets its engine; any other rank follows rank 0's steps until rank 0 stops it,
+    then gets None.
+
+    `shield_followers`: the followers ignore SIGINT and SIGTERM (a server's ranks). Rank 0 decides when to stop (it
+    tells them after its last step); a signal from torchrun must not kill a follower in the middle of a collective,
+    which would leave rank 0 hanging.
+    """
+    config, par, runner = start_rank(report)
+    if par.is_driver:
+        return LLMEngine(config, par, runner)
+    if shield_followers:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+    follow(par, runner)
+    return None
 
 
 def follow(par: ParallelContext, runner: ModelRunner) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.engine_core import LLMEngine, follow, start_rank
+from engine.engine_core import start_engine
 from engine.errors import UserError
 from engine.plan.checks import PlanReport, validate_plan_file
 from engine.sequence import SamplingParams, Sequence, TokenLogprob
@@ -97,11 +97,10 @@ class LLM:
                 f"`dcpctl run {report.source}` (or start this script with torchrun)"
             )
         self.report = report
-        config, par, runner = start_rank(report)
-        if not par.is_driver:
-            follow(par, runner)
+        engine = start_engine(report)
+        if engine is None:  # a follower rank: rank 0 has closed its LLM
             sys.exit(0)
-        self.engine = LLMEngine(config, par, runner)
+        self.engine = engine
 
     @property
     def tokenizer(self):

@@ -32,7 +32,7 @@ def serve(report: PlanReport, overrides: list[str]) -> None:
     serve_cfg = report.plan.serve
     ensure_port_free(serve_cfg.host, serve_cfg.port, "serve.port")
     if report.world_size == 1:
-        from engine.server import serve_plan
+        from engine.serving.hosting import serve_plan
 
         serve_plan(report)
     else:

@@ -20,7 +20,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.engine_core import LLMEngine, start_rank
 from engine.llm import resolve_report
-from engine.server import ServerHandle, start_server
+from engine.serving.hosting import ServerHandle, start_server
 from tests.oracle import hf_greedy, hf_prompt_logprobs, prompt_ids, write_plan
 
 REPO = Path(__file__).resolve().parents[1]
