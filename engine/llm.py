@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.engine_core import start_engine
+from engine.core.sequence import SamplingParams, Sequence, TokenLogprob
+from engine.core.startup import start_engine
 from engine.errors import UserError
 from engine.plan.checks import PlanReport, validate_plan_file
-from engine.sequence import SamplingParams, Sequence, TokenLogprob
 
 
 @dataclass
@@ -81,9 +81,7 @@ class RequestOutput:
 def resolve_report(plan: str | Path | PlanReport, overrides: list[str] | None = None) -> PlanReport:
     """A validated plan report; a UserError lists every problem of an invalid plan."""
     report = plan if isinstance(plan, PlanReport) else validate_plan_file(plan, overrides)
-    if not report.valid:
-        raise UserError(f"plan {report.name} is invalid: " + "; ".join(str(e) for e in report.errors))
-    return report
+    return report.require_valid()
 
 
 class LLM:

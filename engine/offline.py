@@ -11,9 +11,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from engine.core.sequence import SamplingParams
 from engine.errors import UserError
 from engine.io_utils import atomic_write_text
-from engine.sequence import SamplingParams
 
 
 @dataclass

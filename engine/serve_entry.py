@@ -27,7 +27,7 @@ def serving_report(plan: str, overrides: list[str]) -> PlanReport:
 
 def serve(report: PlanReport, overrides: list[str]) -> None:
     """Serve the plan until SIGINT/SIGTERM: in this process for one rank, else its ranks under torchrun."""
-    from engine.launcher import ensure_port_free, launch
+    from engine.runtime.launcher import ensure_port_free, launch
 
     serve_cfg = report.plan.serve
     ensure_port_free(serve_cfg.host, serve_cfg.port, "serve.port")

@@ -21,8 +21,8 @@ from engine.attention import triton_kernels as tk
 from engine.attention.registry import create_backend
 from engine.attention.torch_backend import softmax_attention
 from engine.errors import UserError
-from engine.model_runner import CacheLayout, ModelRunner
-from engine.step import ScheduledChunk, ScheduledStep
+from engine.runtime.model_runner import CacheLayout, ModelRunner
+from engine.runtime.step import ScheduledChunk, ScheduledStep
 from tests.oracle import LOGPROB_TOL, prompt_ids, read_jsonl, write_plan
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 from engine import cpu_isa, dcp, devices
 from engine.checkpoints.aliases import is_alias, resolve_model_path
+from engine.checkpoints.model_info import ModelInfo, dtype_bytes, read_model_info
 from engine.errors import UserError
-from engine.kv_sizing import KVSizing, format_bytes, kv_sizing, parse_memory
 from engine.layers.cpu_paths import CpuPaths, kernels_wanted
-from engine.model_info import ModelInfo, dtype_bytes, read_model_info
 from engine.parallel_layout import ParallelLayout, divisors, layout_problems
+from engine.plan.kv_sizing import KVSizing, format_bytes, kv_sizing, parse_memory
 from engine.plan.loader import LoadedPlan, PlanLoadError, PlanProblem, load_plan
 from engine.plan.schema import ATTENTION_BACKENDS, DEVICES, DIST_BACKENDS, DTYPES, Plan
 
@@ -76,6 +76,12 @@ class PlanReport:
         if self.model is not None:
             return None
         return f"plan {self.name}: {model_not_found(self.model_path, self.plan.model.path)}"
+
+    def require_valid(self) -> PlanReport:
+        """This report, or a UserError that lists every problem of the invalid plan."""
+        if self.errors:
+            raise UserError(f"plan {self.name} is invalid: " + "; ".join(str(e) for e in self.errors))
+        return self
 
     def error(self, key: str, message: str) -> None:
         file, line = self.loaded.where(key) if self.loaded else (self.source, None)

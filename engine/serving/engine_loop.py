@@ -19,12 +19,12 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from engine.core.sequence import SamplingParams, TokenLogprob
 from engine.errors import UserError
-from engine.sequence import SamplingParams, TokenLogprob
 from engine.serving.responses import ServerError
 
 if TYPE_CHECKING:
-    from engine.engine_core import LLMEngine
+    from engine.core.engine import LLMEngine
 
 logger = logging.getLogger("dcpctl.server")
 

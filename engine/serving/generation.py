@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from engine.sequence import SamplingParams, TokenLogprob
+from engine.core.sequence import SamplingParams, TokenLogprob
 from engine.serving.engine_loop import EngineLoop, EngineRequest, Sink, Update
 from engine.serving.responses import ResponseHead, ServerError, error_body, new_id, stop_holdback
 

@@ -24,7 +24,7 @@ from engine.serving.engine_loop import EngineLoop
 from engine.serving.openai_app import OpenAIServer
 
 if TYPE_CHECKING:
-    from engine.engine_core import LLMEngine
+    from engine.core.engine import LLMEngine
     from engine.plan.checks import PlanReport
 
 logger = logging.getLogger("dcpctl.server")
@@ -132,7 +132,7 @@ def serve_engine(engine: LLMEngine, host: str, port: int, model_name: str) -> No
 
 def serve_plan(report: PlanReport) -> None:
     """Every rank of `dcpctl run PLAN`: rank 0 serves the API; the other ranks follow its steps until it stops."""
-    from engine.engine_core import start_engine
+    from engine.core.startup import start_engine
 
     engine = start_engine(report, shield_followers=True)
     if engine is None:

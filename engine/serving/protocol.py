@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.core.sequence import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 from engine.errors import UserError
-from engine.sequence import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 
 MAX_N = 128  # choices per prompt; more is almost surely a client bug and would flood the batch
 MAX_CHOICES = 4096  # prompts x n of one request: each is a sequence the engine holds until it finishes

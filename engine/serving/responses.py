@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sequence import TokenLogprob
+from engine.core.sequence import TokenLogprob
 
 
 class ServerError(Exception):

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
-from engine.step import ScheduledChunk, ScheduledStep
+from engine.core.block_manager import BlockManager
+from engine.core.sequence import Sequence, SequenceStatus
+from engine.runtime.step import ScheduledChunk, ScheduledStep
 
 
 @dataclass(frozen=True)

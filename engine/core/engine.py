@@ -1,202 +1,31 @@
 """Rank 0's engine loop: admit requests, schedule a step, send it to every rank, sample, finish.
 
-`start_engine` is the one start-up path (the Python API and the server both take it): every rank runs
-`start_rank` to join the layout and build its model runner; rank 0 then wraps its runner in an `LLMEngine`,
-and the other ranks run `follow` until rank 0 stops them.
+`LLMEngine` owns the tokenizer, the scheduler and the block manager; the model runner (one per rank, built by
+`engine.core.startup`) executes the steps. Only rank 0 keeps per-request state.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import os
-import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from engine import devices
-from engine.attention.registry import create_backend
-from engine.block_manager import BlockManager
-from engine.detokenizer import Detokenizer
-from engine.distributed import ParallelContext, broadcast_object, init_parallel, init_single
+from engine.core.block_manager import BlockManager
+from engine.core.config import EngineConfig
+from engine.core.detokenizer import Detokenizer
+from engine.core.sampler import INVALID, sample, token_logprobs
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import SamplingParams, Sequence
+from engine.distributed import ParallelContext, broadcast_object
 from engine.errors import UserError
-from engine.host_allocator import reuse_freed_memory
-from engine.io_utils import atomic_write_text
-from engine.kv_sizing import kv_sizing, parse_memory
-from engine.model_info import dtype_bytes
-from engine.model_runner import TORCH_DTYPES, CacheLayout, ModelRunner, StepLogits
-from engine.plan.checks import PlanReport
-from engine.sampler import INVALID, sample, token_logprobs
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import SamplingParams, Sequence
-from engine.step import ScheduledStep
-from engine.weights import checkpoint_files
+from engine.runtime.model_runner import ModelRunner, StepLogits
+from engine.runtime.step import ScheduledStep
 
 logger = logging.getLogger("dcpctl.engine")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """The slice of a resolved plan the engine runs with."""
-
-    model_path: Path
-    dtype: str
-    cache_dtype: str
-    device: str
-    dist_backend: str
-    attention_backend: str
-    block_size: int
-    interleave: int
-    max_model_len: int
-    kv_budget_bytes: int | None  # None: a fraction of free device memory, measured after loading
-    kv_memory_fraction: float | None
-    scheduler: SchedulerConfig
-    prefix_caching: bool
-    threads_per_rank: int
-    local_world_size: int  # ranks on this node, which share its cores
-
-    @classmethod
-    def from_report(cls, report: PlanReport) -> EngineConfig:
-        if not report.valid:
-            raise UserError(f"plan {report.name} is invalid: " + "; ".join(str(e) for e in report.errors))
-        if report.missing_model:
-            raise UserError(report.missing_model)
-        plan = report.plan
-        _, fraction = parse_memory(plan.cache.memory)
-        max_len = report.max_model_len or report.model.max_position_embeddings
-        return cls(
-            model_path=report.model_path,
-            dtype=report.dtype,
-            cache_dtype=report.cache_dtype,
-            device=report.device,
-            dist_backend=plan.launch.dist_backend,
-            attention_backend=report.backend,
-            block_size=plan.cache.block_size,
-            interleave=plan.parallel.interleave,
-            max_model_len=max_len,
-            kv_budget_bytes=report.kv_budget_bytes if fraction is None or report.device == "cpu" else None,
-            kv_memory_fraction=fraction,
-            scheduler=SchedulerConfig(
-                plan.scheduler.max_num_seqs,
-                plan.scheduler.max_num_batched_tokens,
-                plan.scheduler.chunked_prefill,
-                max_len,
-            ),
-            prefix_caching=plan.cache.prefix_caching,
-            threads_per_rank=plan.launch.threads_per_rank,
-            local_world_size=report.local_world_size,
-        )
-
-
-def _set_threads(config: EngineConfig) -> None:
-    if config.device != "cpu":
-        return
-    torch.set_num_threads(config.threads_per_rank or max(1, devices.cpu_cores() // config.local_world_size))
-
-
-def _num_blocks(config: EngineConfig, report: PlanReport, runner: ModelRunner, par: ParallelContext) -> int:
-    if config.kv_budget_bytes is not None:
-        assert report.kv is not None
-        return report.kv.num_blocks
-    free, _ = torch.cuda.mem_get_info(par.device)
-    budget = int(free * config.kv_memory_fraction)
-    sizing = kv_sizing(
-        report.model, par.tp_size, par.dcp_size, config.block_size, dtype_bytes(config.cache_dtype), budget
-    )
-    blocks = torch.tensor([sizing.num_blocks], device=par.device)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(blocks, op=torch.distributed.ReduceOp.MIN)
-    return int(blocks.item())
-
-
-def start_rank(report: PlanReport) -> tuple[EngineConfig, ParallelContext, ModelRunner]:
-    """Join the plan's layout (torchrun world, or a single process) and build this rank's runner."""
-    from transformers import AutoConfig
-
-    config = EngineConfig.from_report(report)
-    layout = report.layout
-    device = torch.device("cuda" if config.device == "cuda" else "cpu")
-    if layout.world_size == 1 and "RANK" not in os.environ:
-        par = init_single(layout, device)
-    else:
-        par = init_parallel(layout, config.device, config.dist_backend)
-    _set_threads(config)
-    if device.type == "cpu":
-        reuse_freed_memory()
-    checkpoint_files(config.model_path)  # a clear error for a folder without weights, before any work
-    try:
-        hf_config = AutoConfig.from_pretrained(config.model_path)
-    except (ValueError, OSError) as exc:
-        raise UserError(f"{config.model_path}/config.json: transformers cannot read it ({exc})") from None
-    runner = ModelRunner(
-        hf_config,
-        config.model_path,
-        par,
-        TORCH_DTYPES[config.dtype],
-        create_backend(config.attention_backend),
-        config.max_model_len,
-    )
-    runner.allocate_cache(
-        CacheLayout(
-            num_blocks=_num_blocks(config, report, runner, par),
-            block_size=config.block_size,
-            interleave=config.interleave,
-            dtype=TORCH_DTYPES[config.cache_dtype],
-        )
-    )
-    _write_rank_stats(par, runner)
-    if runner.cpu_paths and par.is_driver:
-        print(f"dcpctl: {runner.cpu_paths}", file=sys.stderr, flush=True)
-    return config, par, runner
-
-
-def _write_rank_stats(par: ParallelContext, runner: ModelRunner) -> None:
-    """With DCPCTL_RANK_STATS_DIR set, each rank records its KV cache allocation (for tests and tooling)."""
-    folder = os.environ.get("DCPCTL_RANK_STATS_DIR")
-    if not folder:
-        return
-    stats = {
-        "rank": par.rank,
-        "world_size": par.world_size,
-        "tp_rank": par.tp_rank,
-        "dcp_rank": par.dcp_rank,
-        "kv_cache_bytes": runner.kv_cache_bytes,
-        "kv_cache_shape": list(runner.kv_cache.shape),
-        "num_blocks": runner.cache_layout.num_blocks,
-    }
-    atomic_write_text(Path(folder) / f"rank{par.rank}.json", json.dumps(stats))
-
-
-def start_engine(report: PlanReport, shield_followers: bool = False) -> LLMEngine | None:
-    """Every rank's start: rank 0 gets its engine; any other rank follows rank 0's steps until rank 0 stops it,
-    then gets None.
-
-    `shield_followers`: the followers ignore SIGINT and SIGTERM (a server's ranks). Rank 0 decides when to stop (it
-    tells them after its last step); a signal from torchrun must not kill a follower in the middle of a collective,
-    which would leave rank 0 hanging.
-    """
-    config, par, runner = start_rank(report)
-    if par.is_driver:
-        return LLMEngine(config, par, runner)
-    if shield_followers:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-    follow(par, runner)
-    return None
-
-
-def follow(par: ParallelContext, runner: ModelRunner) -> None:
-    """Non-driver ranks: run every step rank 0 sends until it sends None."""
-    while True:
-        step = broadcast_object(None, par.control_group)
-        if step is None:
-            return
-        runner.execute(step)
 
 
 def _eos_ids(folder: Path, hf_config, tokenizer) -> set[int]:

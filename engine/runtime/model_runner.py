@@ -22,7 +22,7 @@ from engine.layers.cpu_gemm import cpu_paths_line, pack_linears
 from engine.models import build_model
 from engine.models.base import inline_module_attributes
 from engine.models.loading import load_checkpoint
-from engine.step import ScheduledStep
+from engine.runtime.step import ScheduledStep
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from engine import dcp
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 
 class BlockManager:
