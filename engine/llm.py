@@ -16,7 +16,8 @@ from pathlib import Path
 from engine.core.sequence import SamplingParams, Sequence, TokenLogprob
 from engine.core.startup import start_engine
 from engine.errors import UserError
-from engine.plan.checks import PlanReport, validate_plan_file
+from engine.plan.checks import validate_plan_file
+from engine.plan.report import PlanReport
 
 
 @dataclass

@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from engine.errors import UserError
-from engine.plan.checks import PlanReport
+from engine.plan.report import PlanReport
 
 
 def serving_report(plan: str, overrides: list[str]) -> PlanReport:

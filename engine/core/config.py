@@ -10,8 +10,8 @@ from engine.checkpoints.model_info import ModelInfo
 from engine.core.scheduler import SchedulerConfig
 from engine.errors import UserError
 from engine.parallel_layout import ParallelLayout
-from engine.plan.checks import PlanReport
 from engine.plan.kv_sizing import parse_memory
+from engine.plan.report import PlanReport
 
 
 @dataclass(frozen=True)

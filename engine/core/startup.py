@@ -24,8 +24,8 @@ from engine.core.engine import LLMEngine
 from engine.distributed import ParallelContext, broadcast_object, init_parallel, init_single
 from engine.errors import UserError
 from engine.io_utils import atomic_write_text
-from engine.plan.checks import PlanReport
 from engine.plan.kv_sizing import kv_sizing
+from engine.plan.report import PlanReport
 from engine.runtime.host_allocator import reuse_freed_memory
 from engine.runtime.model_runner import TORCH_DTYPES, CacheLayout, ModelRunner
 

@@ -25,7 +25,7 @@ from engine.serving.openai_app import OpenAIServer
 
 if TYPE_CHECKING:
     from engine.core.engine import LLMEngine
-    from engine.plan.checks import PlanReport
+    from engine.plan.report import PlanReport
 
 logger = logging.getLogger("dcpctl.server")
 

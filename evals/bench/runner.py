@@ -12,7 +12,7 @@ from typing import Any
 
 from engine.checkpoints.model_info import dtype_bytes, read_model_info, weight_elements
 from engine.errors import UserError
-from engine.plan.checks import PlanReport
+from engine.plan.report import PlanReport
 from evals.bench.client import RequestRecord, RunResult, run_requests
 from evals.bench.metrics import compute_metrics
 from evals.bench.options import HF_LABEL, BenchContext
