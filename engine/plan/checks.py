@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+from dataclasses import replace
 from pathlib import Path
 
 from engine import cpu_isa, dcp, devices
@@ -214,7 +215,7 @@ def _check_kv(report: PlanReport, plan: Plan, info: ModelInfo) -> None:
     report.kv = kv
     need = report.max_model_len or 0
     if kv.token_capacity < need:
-        budget = dcp.blocks_needed(need, kv.block_size, kv.dcp) * kv.block_size * kv.bytes_per_token
+        budget = replace(kv, num_blocks=dcp.blocks_needed(need, kv.block_size, kv.dcp)).bytes_per_rank
         report.error(
             "cache.memory",
             f"cache.memory={plan.cache.memory} holds {kv.token_capacity} tokens "
