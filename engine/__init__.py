@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.cpu_isa import cap_torch_isa
+from engine.kernels.cpu_isa import cap_torch_isa
 
 if TYPE_CHECKING:
     from engine.core.sequence import SamplingParams

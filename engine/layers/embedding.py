@@ -8,7 +8,7 @@ from torch import nn
 
 from engine.checkpoints.weights import CheckpointTensor, copy_into
 from engine.distributed import all_reduce, gather_to_first, get_parallel
-from engine.layers.cpu_gemm import PackableLinear
+from engine.kernels.cpu_gemm import PackableLinear
 from engine.layers.linear import attach_loader
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from engine.checkpoints.weights import CheckpointTensor, copy_into
 from engine.distributed import all_reduce, get_parallel
-from engine.layers.cpu_gemm import PackableLinear
+from engine.kernels.cpu_gemm import PackableLinear
 
 
 def attach_loader(param: nn.Parameter, loader) -> nn.Parameter:

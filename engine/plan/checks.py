@@ -12,11 +12,12 @@ import importlib.util
 from dataclasses import replace
 from pathlib import Path
 
-from engine import cpu_isa, dcp, devices
+from engine import dcp, devices
 from engine.checkpoints.aliases import is_alias, resolve_model_path
 from engine.checkpoints.model_info import ModelInfo, dtype_bytes, read_model_info
 from engine.errors import UserError
-from engine.layers.cpu_paths import CpuPaths, kernels_wanted
+from engine.kernels import cpu_isa
+from engine.kernels.cpu_paths import CpuPaths, kernels_wanted
 from engine.parallel_layout import ParallelLayout, divisors, layout_problems
 from engine.plan.kv_sizing import format_bytes, kv_sizing, parse_memory
 from engine.plan.loader import LoadedPlan, PlanLoadError, load_plan

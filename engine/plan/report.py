@@ -12,7 +12,7 @@ from pathlib import Path
 
 from engine.checkpoints.model_info import ModelInfo
 from engine.errors import UserError
-from engine.layers.cpu_paths import CpuPaths
+from engine.kernels.cpu_paths import CpuPaths
 from engine.parallel_layout import ParallelLayout
 from engine.plan.kv_sizing import KVSizing
 from engine.plan.loader import LoadedPlan, PlanProblem

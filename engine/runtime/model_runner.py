@@ -17,8 +17,8 @@ from engine import dcp
 from engine.attention import kv_cache
 from engine.attention.backend import AttentionBackend, AttentionMetadata, PagedKV, PrefillNew, step_metadata
 from engine.distributed import ParallelContext
+from engine.kernels.cpu_gemm import cpu_paths_line, pack_linears
 from engine.layers.attention import PagedAttention
-from engine.layers.cpu_gemm import cpu_paths_line, pack_linears
 from engine.models import build_model
 from engine.models.base import inline_module_attributes
 from engine.models.loading import load_checkpoint
