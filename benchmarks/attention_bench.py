@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.attention.backend import create_backend
-from engine.attention.metadata import AttentionMetadata, PagedKV
+from engine.attention.backend import AttentionMetadata, PagedKV
+from engine.attention.registry import create_backend
 from engine.errors import UserError
 
 PEAK_TBS = {"H200": 4.8, "H100": 3.35, "A100": 2.0}  # HBM peak, TB/s (10^12 bytes per second)

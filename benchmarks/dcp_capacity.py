@@ -20,8 +20,8 @@ from pathlib import Path
 
 import yaml
 
-from engine.kv_sizing import format_bytes
 from engine.plan.checks import validate_plan_file
+from engine.plan.kv_sizing import format_bytes
 
 
 def make_model(folder: Path) -> Path:

@@ -109,8 +109,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from engine.checkpoints.aliases import is_alias
+    from engine.checkpoints.model_info import read_model_info
     from engine.checkpoints.pull import pull_model
-    from engine.model_info import read_model_info
 
     folder = pull_model(args.model) if is_alias(args.model) else Path(args.model)
     weights_gb = read_model_info(folder).weight_bytes / 1e9  # fp32 on disk

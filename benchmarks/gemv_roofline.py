@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.layers.cpu_gemm import pack_weight, packed_linear
-from engine.layers.cpu_kernels import cpu_kernels_available, gemv
+from engine.kernels.cpu_gemm import pack_weight, packed_linear
+from engine.kernels.cpu_kernels import cpu_kernels_available, gemv
 
 KERNELS = ("F.linear", "packed", "gemv")
 

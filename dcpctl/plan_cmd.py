@@ -13,9 +13,10 @@ from rich.text import Text
 from dcpctl.args import split_plans_and_overrides
 from dcpctl.render import render_validation
 from engine import dcp
-from engine.kv_sizing import format_bytes
-from engine.plan.checks import PlanReport, validate_plan_file
+from engine.plan.checks import validate_plan_file
+from engine.plan.kv_sizing import format_bytes
 from engine.plan.loader import plan_to_dict
+from engine.plan.report import PlanReport
 
 app = typer.Typer(help="Validate and inspect parallelism plans.", no_args_is_help=True)
 RANK_COLORS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")

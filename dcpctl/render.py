@@ -18,8 +18,8 @@ from rich.table import Table
 from rich.text import Text
 
 from engine.errors import UserError
-from engine.kv_sizing import format_bytes
-from engine.plan.checks import PlanReport
+from engine.plan.kv_sizing import format_bytes
+from engine.plan.report import PlanReport
 from evals.targets import Target, resolve_targets
 
 

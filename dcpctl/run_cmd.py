@@ -49,7 +49,7 @@ def run(
         "ignore_eos": ignore_eos,
         "logprobs": logprobs,
     }
-    from engine.sequence import SamplingParams
+    from engine.core.sequence import SamplingParams
 
     SamplingParams(**params).validate()
     job = OfflineJob(prompts=prompts, params=params, output=str(output) if output else None)
@@ -60,7 +60,7 @@ def run(
         with LLM(report) as llm:
             run_offline(llm, job)
         return None
-    from engine.launcher import launch
+    from engine.runtime.launcher import launch
 
     with tempfile.TemporaryDirectory(prefix="dcpctl-job-") as tmp:
         job_file = Path(tmp) / "job.json"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.cpu_isa import cap_torch_isa
+from engine.kernels.cpu_isa import cap_torch_isa
 
 if TYPE_CHECKING:
+    from engine.core.sequence import SamplingParams
     from engine.llm import LLM, RequestOutput
-    from engine.sequence import SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 
@@ -21,7 +21,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(llm, name)
     if name == "SamplingParams":
-        from engine.sequence import SamplingParams
+        from engine.core.sequence import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -53,7 +53,7 @@ def tokens_per_virtual_block(block_size: int, dcp: int) -> int:
 
 def blocks_needed(length: Any, block_size: int, dcp: int) -> Any:
     """Logical blocks a sequence of `length` tokens needs (ceil division)."""
-    span = block_size * dcp
+    span = tokens_per_virtual_block(block_size, dcp)
     return (length + span - 1) // span
 
 
@@ -63,9 +63,8 @@ def slot(p: Any, rank: int, block_table: Any, block_size: int, interleave: int, 
     `block_table[vb]` (or `block_table[rows, vb]` for a batch of sequences, one row per
     position) is the physical block id of virtual block `vb`.
     """
-    span = block_size * dcp
+    span = tokens_per_virtual_block(block_size, dcp)
     vb = p // span
     vo = p % span
     physical = block_table[vb] if rows is None else block_table[rows, vb]
-    local_offset = (vo // (interleave * dcp)) * interleave + vo % interleave
-    return _select(owner(vo, interleave, dcp) == rank, physical * block_size + local_offset, -1)
+    return _select(owner(vo, interleave, dcp) == rank, physical * block_size + local_index(vo, interleave, dcp), -1)

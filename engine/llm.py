@@ -13,10 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.engine_core import LLMEngine, follow, start_rank
+from engine.core.sequence import SamplingParams, Sequence, TokenLogprob
+from engine.core.startup import start_engine
 from engine.errors import UserError
-from engine.plan.checks import PlanReport, validate_plan_file
-from engine.sequence import SamplingParams, Sequence, TokenLogprob
+from engine.plan.checks import validate_plan_file
+from engine.plan.report import PlanReport
 
 
 @dataclass
@@ -81,9 +82,7 @@ class RequestOutput:
 def resolve_report(plan: str | Path | PlanReport, overrides: list[str] | None = None) -> PlanReport:
     """A validated plan report; a UserError lists every problem of an invalid plan."""
     report = plan if isinstance(plan, PlanReport) else validate_plan_file(plan, overrides)
-    if not report.valid:
-        raise UserError(f"plan {report.name} is invalid: " + "; ".join(str(e) for e in report.errors))
-    return report
+    return report.require_valid()
 
 
 class LLM:
@@ -97,11 +96,10 @@ class LLM:
                 f"`dcpctl run {report.source}` (or start this script with torchrun)"
             )
         self.report = report
-        config, par, runner = start_rank(report)
-        if not par.is_driver:
-            follow(par, runner)
+        engine = start_engine(report)
+        if engine is None:  # a follower rank: rank 0 has closed its LLM
             sys.exit(0)
-        self.engine = LLMEngine(config, par, runner)
+        self.engine = engine
 
     @property
     def tokenizer(self):

@@ -11,9 +11,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from engine.core.sequence import SamplingParams
 from engine.errors import UserError
 from engine.io_utils import atomic_write_text
-from engine.sequence import SamplingParams
 
 
 @dataclass
@@ -113,11 +113,10 @@ def run_offline(llm, job: OfflineJob, console: Console | None = None) -> list[di
             text = Text(_clip(r["text"])) if "error" not in r else Text(f"error: {r['error']}", style="red")
             table.add_row(str(i), Text(_clip(str(r["prompt"]))), text, str(len(r["token_ids"])), r["finish_reason"])
         console.print(table)
-        stats = llm.engine.stats
+        stats = llm.engine.stats()
         console.print(
-            f"{stats.generated_tokens} tokens generated in {stats.steps} steps; "
-            f"prefix cache reused {llm.engine.blocks.prefix_hit_tokens} prompt tokens; "
-            f"{llm.engine.scheduler.num_preemptions} preemptions"
+            f"{stats['generated_tokens']} tokens generated in {stats['steps']} steps; "
+            f"prefix cache reused {stats['prefix_hit_tokens']} prompt tokens; {stats['preemptions']} preemptions"
         )
     return records
 

@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from engine.errors import UserError
-from engine.plan.checks import PlanReport
+from engine.plan.report import PlanReport
 
 
 def serving_report(plan: str, overrides: list[str]) -> PlanReport:
@@ -27,12 +27,12 @@ def serving_report(plan: str, overrides: list[str]) -> PlanReport:
 
 def serve(report: PlanReport, overrides: list[str]) -> None:
     """Serve the plan until SIGINT/SIGTERM: in this process for one rank, else its ranks under torchrun."""
-    from engine.launcher import ensure_port_free, launch
+    from engine.runtime.launcher import ensure_port_free, launch
 
     serve_cfg = report.plan.serve
     ensure_port_free(serve_cfg.host, serve_cfg.port, "serve.port")
     if report.world_size == 1:
-        from engine.server import serve_plan
+        from engine.serving.hosting import serve_plan
 
         serve_plan(report)
     else:

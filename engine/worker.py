@@ -49,7 +49,7 @@ def _import_engine(serve: bool) -> None:
     """
     gc.disable()
     try:
-        for module in ("engine.llm", "engine.server") if serve else ("engine.llm",):
+        for module in ("engine.llm", "engine.serving.hosting") if serve else ("engine.llm",):
             importlib.import_module(module)
     finally:
         gc.freeze()
@@ -74,7 +74,7 @@ def _run_job(argv: list[str] | None) -> int:
 
         report = resolve_report(args.plan, args.overrides)
         if args.serve:
-            from engine.server import serve_plan
+            from engine.serving.hosting import serve_plan
 
             serve_plan(report)
         else:

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from engine.errors import UserError
-from engine.launcher import free_port
+from engine.runtime.launcher import free_port
 
 DEFAULT_HEALTH_TIMEOUT_S = 600.0
 _POLL_S = 0.2

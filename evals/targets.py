@@ -10,7 +10,8 @@ import re
 from dataclasses import dataclass, field
 
 from engine.errors import UserError
-from engine.plan.checks import PlanReport, validate_plan_file
+from engine.plan.checks import validate_plan_file
+from engine.plan.report import PlanReport
 from evals.endpoint import check_server, normalize_base_url
 
 URL_PREFIXES = ("http://", "https://")

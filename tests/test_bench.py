@@ -12,8 +12,8 @@ import typer
 from typer.testing import CliRunner
 
 from dcpctl import bench_cmd
+from engine.checkpoints.model_info import weight_elements
 from engine.errors import UserError
-from engine.model_info import weight_elements
 from engine.plan.checks import validate_plan_file
 from evals.bench.client import RequestRecord, arrival_times, run_requests
 from evals.bench.metrics import compute_metrics, tpot_of

@@ -250,7 +250,7 @@ def test_tiny_loads_in_hf_and_generates(tiny_dir, case):
 def test_tiny_tokenizer_round_trip_and_chat_template(tiny_dir):
     from transformers import AutoTokenizer
 
-    from engine.checkpoints.tiny import BOS_ID, EOS_ID, PAD_ID
+    from engine.checkpoints.tiny_tokenizer import BOS_ID, EOS_ID, PAD_ID
 
     path = _make(tiny_dir, "tok", "llama")
     tok = AutoTokenizer.from_pretrained(path)

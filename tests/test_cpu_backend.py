@@ -12,13 +12,13 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from engine.attention.backend import create_backend
 from engine.attention.cpu_backend import CpuBackend
+from engine.attention.registry import create_backend
 from engine.attention.torch_backend import softmax_attention
-from engine.cpu_isa import detect
-from engine.layers import cpu_kernels
-from engine.layers.cpu_gemm import PackableLinear
-from engine.layers.cpu_paths import GEMV_MAX_ROWS
+from engine.kernels import cpu_kernels
+from engine.kernels.cpu_gemm import PackableLinear
+from engine.kernels.cpu_isa import detect
+from engine.kernels.cpu_paths import GEMV_MAX_ROWS
 from engine.layers.rotary import RotaryEmbedding
 from tests.oracle import hf_greedy, prompt_ids, write_plan
 from tests.test_dcp_equivalence import dcpctl_run

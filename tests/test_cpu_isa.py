@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import cpu_isa
 from engine.errors import UserError
-from engine.layers import cpu_gemm, cpu_kernels
-from engine.layers.cpu_paths import CpuPaths, gemm_choices
+from engine.kernels import cpu_gemm, cpu_isa, cpu_kernels
+from engine.kernels.cpu_paths import CpuPaths, gemm_choices
 from tests.oracle import hf_bf16_disagreements, prompt_ids, write_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -230,8 +229,8 @@ def _forced_avx2_env() -> dict[str, str]:
 
 FORCED_PROBE = """
 import engine, torch
-from engine import cpu_isa
-from engine.layers import cpu_gemm, cpu_kernels
+from engine.kernels import cpu_isa
+from engine.kernels import cpu_gemm, cpu_kernels
 isa = cpu_isa.detect()
 w = torch.randn(64, 32).to(torch.bfloat16)
 try:

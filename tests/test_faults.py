@@ -19,7 +19,7 @@ pytestmark = pytest.mark.multiproc
 FAULT_HOOK = """
 import os
 if os.environ.get("RANK") == "1":
-    from engine.model_runner import ModelRunner
+    from engine.runtime.model_runner import ModelRunner
     original, calls = ModelRunner.execute, [0]
     def execute(self, plan):
         calls[0] += 1
@@ -143,7 +143,7 @@ def _torchrun_root_cause(rank: int, exitcode: int) -> str:
 def test_root_error_prefers_the_earliest_error_a_rank_wrote(tmp_path):
     import json
 
-    from engine.launcher import _root_error
+    from engine.runtime.launcher import _root_error
 
     (tmp_path / "rank0.json").write_text(json.dumps({"rank": 0, "time": 2.0, "message": "Connection closed by peer"}))
     (tmp_path / "rank1.json").write_text(json.dumps({"rank": 1, "time": 1.0, "message": "RuntimeError: boom"}))
@@ -163,7 +163,7 @@ def test_root_error_prefers_the_earliest_error_a_rank_wrote(tmp_path):
 
 def test_free_port_is_bindable_and_outside_the_ephemeral_range():
     """Outgoing connections (gloo, torchrun, clients) cannot take the picked port before the server binds it."""
-    from engine.launcher import ephemeral_port_range, free_port
+    from engine.runtime.launcher import ephemeral_port_range, free_port
 
     low, high = ephemeral_port_range()
     for _ in range(20):

@@ -11,7 +11,7 @@ import pytest
 ALLOCATION_PROBE = """
 import ctypes, sys
 import torch
-from engine.host_allocator import reuse_freed_memory
+from engine.runtime.host_allocator import reuse_freed_memory
 
 class MallInfo2(ctypes.Structure):
     names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"

@@ -9,8 +9,8 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_em
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from engine.attention import kv_cache
-from engine.cpu_isa import detect
-from engine.layers.cpu_gemm import PackableLinear, pack_weight, packed_linear, packing_available
+from engine.kernels.cpu_gemm import PackableLinear, pack_weight, packed_linear, packing_available
+from engine.kernels.cpu_isa import detect
 from engine.layers.rotary import RotaryEmbedding
 
 HEAD_DIM = 64

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.engine_core import LLMEngine
+from engine.core.engine import LLMEngine
 from tests.oracle import write_plan
 from tests.test_server import MODEL, _dcpctl_run, _stop_and_check_tree, _wait_for_banner, serve, sse_events
 
@@ -28,7 +28,7 @@ PROMPTS = ["the quick brown fox", "hello world, this is", "a b c d", "once upon 
 POISON_HOOK = f"""
 import dataclasses, math, os
 if os.environ.get("RANK", "0") == "0":
-    from engine.engine_core import LLMEngine
+    from engine.core.engine import LLMEngine
     _add = LLMEngine.add_request
     def add_request(self, prompt, params, request_id=None):
         seq = _add(self, prompt, params, request_id)
@@ -165,7 +165,7 @@ def test_a_poisoned_request_among_concurrent_streams(tmp_path, llm, monkeypatch)
 def test_a_poisoned_request_on_a_dcp2_server_leaves_the_ranks_in_step(tmp_path, llm):
     """tp1/dcp2 under `dcpctl run`: rank 0 fails the poisoned request alone; both ranks go on in step (the next
     requests give the one-rank tokens) and the run stops cleanly."""
-    from engine.launcher import free_port
+    from engine.runtime.launcher import free_port
 
     expected = [o.text for o in llm.generate(PROMPTS, greedy(16))]
     hook = tmp_path / "hook"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import INVALID, sample
-from engine.sequence import SamplingParams
+from engine.core.sampler import INVALID, sample
+from engine.core.sequence import SamplingParams
 
 
 def _logits(rows: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:

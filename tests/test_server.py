@@ -18,9 +18,10 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.engine_core import LLMEngine, start_rank
+from engine.core.engine import LLMEngine
+from engine.core.startup import start_rank
 from engine.llm import resolve_report
-from engine.server import ServerHandle, start_server
+from engine.serving.hosting import ServerHandle, start_server
 from tests.oracle import hf_greedy, hf_prompt_logprobs, prompt_ids, write_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -628,7 +629,7 @@ def test_dcpctl_run_serves_on_port_0_and_stops_on_sigint(tmp_path, llama, server
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_dcpctl_run_tp2_dcp2_serves_like_one_rank(tmp_path, tiny_models):
-    from engine.launcher import free_port
+    from engine.runtime.launcher import free_port
 
     folder = tiny_models("deepseek_v2")
     plan = write_plan(tmp_path, folder, {"cache.memory": "8MiB"})

@@ -19,7 +19,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from engine.api_protocol import MAX_BODY_BYTES
+from engine.serving.protocol import MAX_BODY_BYTES
 from tests.oracle import write_plan
 from tests.test_server import serve
 

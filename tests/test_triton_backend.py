@@ -18,15 +18,15 @@ import torch
 from engine import dcp
 from engine.attention import kv_cache
 from engine.attention import triton_kernels as tk
-from engine.attention.backend import create_backend
+from engine.attention.registry import create_backend
 from engine.attention.torch_backend import softmax_attention
 from engine.errors import UserError
-from engine.model_runner import CacheLayout, ModelRunner
-from engine.step import ScheduledChunk, StepPlan
+from engine.runtime.model_runner import CacheLayout, ModelRunner
+from engine.runtime.step import ScheduledChunk, ScheduledStep
 from tests.oracle import LOGPROB_TOL, prompt_ids, read_jsonl, write_plan
 
 
-def runner_metadata(backend, plan: StepPlan, layout: CacheLayout, dcp_size: int, dcp_rank: int, device="cpu"):
+def runner_metadata(backend, plan: ScheduledStep, layout: CacheLayout, dcp_size: int, dcp_rank: int, device="cpu"):
     """The step's metadata exactly as ModelRunner.execute builds it (ModelRunner.prepare_inputs itself)."""
     runner = SimpleNamespace(
         cache_layout=layout,
@@ -42,7 +42,7 @@ def runner_metadata(backend, plan: StepPlan, layout: CacheLayout, dcp_size: int,
     return metadata
 
 
-def make_step(block_size: int, dcp_size: int) -> StepPlan:
+def make_step(block_size: int, dcp_size: int) -> ScheduledStep:
     """Two prefill chunks (one with cached context) and three decodes; distinct block ids per sequence."""
     span = block_size * dcp_size
     shape = [(9, 6), (0, 5), (0, 1), (2, 1), (20, 1)]  # (start, new tokens)
@@ -52,13 +52,13 @@ def make_step(block_size: int, dcp_size: int) -> StepPlan:
         table = list(range(next_block + 1, next_block + 1 + blocks))[::-1]  # reversed: not the identity map
         next_block += blocks
         chunks.append(ScheduledChunk(seq_id=i, token_ids=[0] * n, start=start, block_table=table, sample=True))
-    return StepPlan(chunks=chunks)
+    return ScheduledStep(chunks=chunks)
 
 
 class World:
     """Random global K/V/Q of every sequence position (the same on every rank), like one attention layer sees."""
 
-    def __init__(self, plan: StepPlan, heads, hkv, dk, dv, mla, device="cpu", dtype=torch.float32, seed=0):
+    def __init__(self, plan: ScheduledStep, heads, hkv, dk, dv, mla, device="cpu", dtype=torch.float32, seed=0):
         gen = torch.Generator().manual_seed(seed)
         self.plan, self.heads, self.hkv, self.dk, self.dv, self.mla = plan, heads, hkv, dk, dv, mla
         self.device, self.dtype = device, dtype

@@ -15,7 +15,7 @@ import torch
 
 from engine import dcp
 from engine.attention import triton_kernels as tk
-from engine.attention.metadata import AttentionMetadata, PagedKV, PrefillNew
+from engine.attention.backend import AttentionMetadata, PagedKV, PrefillNew
 from engine.attention.torch_backend import TorchBackend
 
 HAS_CUDA = torch.cuda.is_available()

@@ -1,19 +1,86 @@
-"""The attention backend interface and the registry that names the supported choices.
+"""The attention backend interface: the per-step metadata every layer reads, and the kernels a backend implements.
 
-Tensors: queries [T, H, Dk]; new keys/values [T, Hkv, Dk] / [T, Hkv, Dv]; caches
-[num_blocks, block_size, Hkv, Dk] (keys) and [num_blocks, block_size, Hkv, Dv] (values). For MLA the
-value cache is None: values are the first Dv dims of the (latent) keys. Outputs [T, H, Dv] in
+The model runner builds one `AttentionMetadata` per step (`step_metadata` makes it current); each attention layer
+reads it (`current_metadata`) and calls the step's backend. Tensors: queries [T, H, Dk]; new keys/values
+[T, Hkv, Dk] / [T, Hkv, Dv]; caches [num_blocks, block_size, Hkv, Dk] (keys) and [num_blocks, block_size, Hkv, Dv]
+(values). For MLA the value cache is None: values are the first Dv dims of the (latent) keys. Outputs [T, H, Dv] in
 the query dtype, log-sum-exp [T, H] in fp32 (natural log; -inf where a row saw no key).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata, PagedKV, PrefillNew
-from engine.errors import UserError
+
+@dataclass
+class PagedKV:
+    """Queries that attend, unmasked, to every token of their sequence's KV shard on this rank.
+
+    Sequence s owns query rows query_start[s] .. query_start[s+1]-1 and its local shard is the
+    first lens[s] slots of block_tables[s] (local index j lives at table[j // B] * B + j % B).
+    """
+
+    block_tables: torch.Tensor  # [S, max_blocks] int64
+    lens: torch.Tensor  # [S] int64, local lengths on this rank (0: this rank holds none)
+    query_start: torch.Tensor  # [S + 1] int64
+    query_counts: list[int]
+    local_lens: list[int]  # `lens` as Python ints
+    max_len: int
+    block_size: int
+    need_lse: bool = True  # False: the caller discards the log-sum-exp (decode without DCP)
+    extra: dict = field(default_factory=dict)  # backend-specific tensors, prepared once per step
+
+    @property
+    def one_query_each(self) -> bool:
+        return all(n == 1 for n in self.query_counts)
+
+
+@dataclass
+class PrefillNew:
+    """Causal attention among the new tokens of each prefill chunk (they are all in hand)."""
+
+    cu_seqlens: torch.Tensor  # [P + 1] int64
+    seq_lens: list[int]
+    max_len: int
+
+
+@dataclass
+class AttentionMetadata:
+    """Tokens are laid out prefill chunks first, then one token per decoding sequence."""
+
+    backend: AttentionBackend
+    slot_mapping: torch.Tensor  # [N] int64, -1 where another DCP rank stores the token
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    prefill: PrefillNew | None = None
+    prefill_context: PagedKV | None = None  # cached context of prefill chunks (None if none has any)
+    decode: PagedKV | None = None
+    extra: dict = field(default_factory=dict)
+
+
+_CURRENT: AttentionMetadata | None = None
+
+
+@contextmanager
+def step_metadata(metadata: AttentionMetadata) -> Iterator[AttentionMetadata]:
+    """Make `metadata` the one the attention layers read during this forward pass."""
+    global _CURRENT
+    previous, _CURRENT = _CURRENT, metadata
+    try:
+        yield metadata
+    finally:
+        _CURRENT = previous
+
+
+def current_metadata() -> AttentionMetadata:
+    if _CURRENT is None:
+        raise RuntimeError("attention layers ran outside a model-runner step")
+    return _CURRENT
 
 
 class AttentionBackend(ABC):
@@ -56,39 +123,3 @@ class AttentionBackend(ABC):
 
         A backend may return lse None when `kv.need_lse` is False.
         """
-
-
-def _torch_backend() -> AttentionBackend:
-    from engine.attention.torch_backend import TorchBackend
-
-    return TorchBackend()
-
-
-def _cpu_backend() -> AttentionBackend:
-    from engine.attention.cpu_backend import CpuBackend
-
-    return CpuBackend()
-
-
-def _triton_backend() -> AttentionBackend:
-    from engine.attention.triton_backend import TritonBackend
-
-    return TritonBackend()
-
-
-def _flash_backend() -> AttentionBackend:
-    from engine.attention.flash_backend import FlashAttnBackend
-
-    return FlashAttnBackend()
-
-
-BACKENDS = {"torch": _torch_backend, "cpu": _cpu_backend, "triton": _triton_backend, "flash_attn": _flash_backend}
-
-
-def create_backend(name: str) -> AttentionBackend:
-    """The backend called `name`; a UserError lists the supported ones."""
-    try:
-        factory = BACKENDS[name]
-    except KeyError:
-        raise UserError(f"unknown attention backend {name!r}; supported: {', '.join(BACKENDS)}") from None
-    return factory()

@@ -9,7 +9,7 @@ as does everything when the kernels cannot be built here (`cpu_kernels_available
 from __future__ import annotations
 
 from engine.attention.torch_backend import TorchBackend
-from engine.layers.cpu_kernels import cpu_kernels_available, paged_decode, store_kv
+from engine.kernels.cpu_kernels import cpu_kernels_available, paged_decode, store_kv
 
 
 class CpuBackend(TorchBackend):

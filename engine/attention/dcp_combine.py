@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.metadata import PagedKV
+from engine.attention.backend import AttentionBackend, PagedKV
 from engine.distributed import ParallelContext, all_gather_rows, all_reduce, reduce_scatter_rows
 
 

@@ -13,7 +13,7 @@ import importlib.util
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata, PagedKV, PrefillNew
+from engine.attention.backend import AttentionMetadata, PagedKV, PrefillNew
 from engine.attention.triton_backend import TritonBackend
 from engine.errors import UserError
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionBackend
-from engine.attention.metadata import AttentionMetadata, PagedKV, PrefillNew
+from engine.attention.backend import AttentionBackend, AttentionMetadata, PagedKV, PrefillNew
 
 NEG_INF = float("-inf")
 

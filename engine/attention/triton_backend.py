@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import triton_kernels as kernels
-from engine.attention.backend import AttentionBackend
-from engine.attention.metadata import AttentionMetadata, PagedKV, PrefillNew
+from engine.attention.backend import AttentionBackend, AttentionMetadata, PagedKV, PrefillNew
 
 
 class TritonBackend(AttentionBackend):

@@ -1,4 +1,5 @@
-"""Checkpoints: model aliases and the cache (torch-free), tiny random models, pulling real ones.
+"""Checkpoints: model aliases and the cache (torch-free), what a checkpoint's config.json says (`model_info`,
+torch-free), reading its tensors (`weights`), tiny random models, pulling real ones.
 
 `make_tiny_checkpoint` and `pull_model` are imported lazily so that `import engine.checkpoints` stays
 free of torch and transformers.

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.attention.backend import current_metadata
 from engine.attention.dcp_combine import attend_cache, merge_attention
-from engine.attention.metadata import current_metadata
 from engine.distributed import get_parallel
 
 

@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.checkpoints.weights import CheckpointTensor, copy_into
 from engine.distributed import all_reduce, gather_to_first, get_parallel
-from engine.layers.cpu_gemm import PackableLinear
+from engine.kernels.cpu_gemm import PackableLinear
 from engine.layers.linear import attach_loader
-from engine.weights import CheckpointTensor, copy_into
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.checkpoints.weights import CheckpointTensor, copy_into
 from engine.distributed import all_reduce, get_parallel
-from engine.layers.cpu_gemm import PackableLinear
-from engine.weights import CheckpointTensor, copy_into
+from engine.kernels.cpu_gemm import PackableLinear
 
 
 def attach_loader(param: nn.Parameter, loader) -> nn.Parameter:

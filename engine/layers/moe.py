@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.checkpoints.weights import CheckpointTensor, copy_into
 from engine.distributed import get_parallel
 from engine.layers.activation import silu_and_mul
 from engine.layers.linear import attach_loader
-from engine.weights import CheckpointTensor, copy_into
 
 
 class TopKRouter(nn.Module):

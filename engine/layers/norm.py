@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.cpu_kernels import KERNEL_DTYPES, cpu_kernels_available
+from engine.kernels.cpu_kernels import KERNEL_DTYPES, cpu_kernels_available
 from engine.layers.linear import attach_loader, full_loader
 
 

@@ -6,7 +6,7 @@ import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.errors import UserError
-from engine.layers.cpu_kernels import KERNEL_DTYPES, cpu_kernels_available
+from engine.kernels.cpu_kernels import KERNEL_DTYPES, cpu_kernels_available
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.checkpoints.model_info import SUPPORTED_ARCHITECTURES
 from engine.errors import UserError
-from engine.model_info import SUPPORTED_ARCHITECTURES
 
 
 def _classes() -> dict[str, type[nn.Module]]:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from torch import nn
 
+from engine.checkpoints.weights import iterate_checkpoint
 from engine.errors import UserError
-from engine.weights import iterate_checkpoint
 
 # Maps a checkpoint tensor name to (parameter name, shard id), or None to skip the tensor.
 NameMap = Callable[[str], "tuple[str, object] | None"]

@@ -1,1 +1,2 @@
-"""Plans: the YAML schema, loading with `base:` and overrides, and the cross-checks (no torch)."""
+"""Plans: the YAML schema, loading with `base:` and overrides, the cross-checks, and what a KV budget buys (no
+torch)."""

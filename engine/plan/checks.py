@@ -1,7 +1,7 @@
 """Cross-checks of a loaded plan against the rules of DESIGN.md and the model's config.json.
 
 Every problem is collected (not just the first), each naming the field, the values, the rule
-and a fix. The result also carries the resolved settings (device, dtypes, backend, world size,
+and a fix. The result, a `PlanReport`, also carries the resolved settings (device, dtypes, backend,
 layout, KV sizing) that `plan show` displays and the engine runs with.
 """
 
@@ -9,77 +9,22 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 
-from engine import cpu_isa, devices
+from engine import dcp, devices
 from engine.checkpoints.aliases import is_alias, resolve_model_path
+from engine.checkpoints.model_info import ModelInfo, dtype_bytes, read_model_info
 from engine.errors import UserError
-from engine.kv_sizing import KVSizing, format_bytes, kv_sizing, parse_memory
-from engine.layers.cpu_paths import CpuPaths, kernels_wanted
-from engine.model_info import ModelInfo, dtype_bytes, read_model_info
+from engine.kernels import cpu_isa
+from engine.kernels.cpu_paths import CpuPaths, kernels_wanted
 from engine.parallel_layout import ParallelLayout, divisors, layout_problems
-from engine.plan.loader import LoadedPlan, PlanLoadError, PlanProblem, load_plan
-from engine.plan.schema import BACKENDS, DEVICES, DIST_BACKENDS, DTYPES, Plan
+from engine.plan.kv_sizing import format_bytes, kv_sizing, parse_memory
+from engine.plan.loader import LoadedPlan, PlanLoadError, load_plan
+from engine.plan.report import PlanReport, model_not_found
+from engine.plan.schema import ATTENTION_BACKENDS, DEVICES, DIST_BACKENDS, DTYPES, Plan
 
 MAX_WORLD_SIZE = 65536  # ranks of one plan; far beyond any deployment, so a larger one is a typo
-
-
-@dataclass
-class PlanReport:
-    """Outcome of validating one plan, plus what it resolves to."""
-
-    source: str
-    name: str = ""
-    loaded: LoadedPlan | None = None
-    errors: list[PlanProblem] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    model: ModelInfo | None = None
-    model_path: Path | None = None
-    layout: ParallelLayout | None = None
-    kv: KVSizing | None = None
-    device: str = ""
-    dtype: str = ""
-    cache_dtype: str = ""
-    backend: str = ""
-    max_model_len: int | None = None
-    kv_budget_bytes: int | None = None
-    cpu_paths: CpuPaths | None = None  # CPU plans: the ISA level and the kernels chosen from it
-
-    @property
-    def valid(self) -> bool:
-        return not self.errors
-
-    @property
-    def plan(self) -> Plan:
-        assert self.loaded is not None
-        return self.loaded.plan
-
-    @property
-    def world_size(self) -> int | None:
-        if self.layout is not None:
-            return self.layout.world_size
-        return None
-
-    @property
-    def local_world_size(self) -> int:
-        """Ranks each node starts: the world size over launch.nnodes (at least 1; 1 without a layout)."""
-        return max(1, (self.world_size or 1) // max(1, self.plan.launch.nnodes))
-
-    @property
-    def missing_model(self) -> str | None:
-        """Why the plan cannot run here for want of its model folder (None when the folder is there)."""
-        if self.model is not None:
-            return None
-        return (
-            f"plan {self.name}: model folder {self.model_path} not found "
-            f"(run `dcpctl model pull {self.plan.model.path}` or fix model.path)"
-        )
-
-    def error(self, key: str, message: str) -> None:
-        file, line = self.loaded.where(key) if self.loaded else (self.source, None)
-        self.errors.append(PlanProblem(key, message, file, line))
 
 
 def _choice(report: PlanReport, key: str, value: str, choices: tuple[str, ...]) -> bool:
@@ -110,7 +55,7 @@ def _check_static(report: PlanReport, plan: Plan) -> None:
         )
     _choice(report, "model.dtype", plan.model.dtype, DTYPES)
     _choice(report, "cache.dtype", c.dtype, DTYPES)
-    _choice(report, "attention.backend", plan.attention.backend, BACKENDS)
+    _choice(report, "attention.backend", plan.attention.backend, ATTENTION_BACKENDS)
     _choice(report, "launch.device", lch.device, DEVICES)
     _choice(report, "launch.dist_backend", lch.dist_backend, DIST_BACKENDS)
     if s.max_num_seqs < 1:
@@ -151,7 +96,7 @@ def _check_static(report: PlanReport, plan: Plan) -> None:
         report.error("cache.memory", str(exc))
         return
     if fraction is not None and report.device == "cpu":
-        local = max(1, (report.world_size or plan.parallel.tp) // max(1, lch.nnodes))
+        local = report.local_world_size
         report.kv_budget_bytes = int(fraction * devices.available_memory_bytes() / local)
         report.notes.append(
             f"cache.memory={c.memory}: {format_bytes(report.kv_budget_bytes)} per rank "
@@ -271,9 +216,7 @@ def _check_kv(report: PlanReport, plan: Plan, info: ModelInfo) -> None:
     report.kv = kv
     need = report.max_model_len or 0
     if kv.token_capacity < need:
-        span = kv.block_size * kv.dcp
-        blocks = -(-need // span)
-        budget = blocks * kv.block_size * kv.bytes_per_token
+        budget = replace(kv, num_blocks=dcp.blocks_needed(need, kv.block_size, kv.dcp)).bytes_per_rank
         report.error(
             "cache.memory",
             f"cache.memory={plan.cache.memory} holds {kv.token_capacity} tokens "
@@ -309,7 +252,7 @@ def _check_devices(report: PlanReport, plan: Plan) -> None:
             f"{report.layout.replicas}) is not divisible by launch.nnodes={nnodes}",
         )
         return
-    local = world // nnodes
+    local = report.local_world_size
     if report.device == "cuda":
         gpus = devices.cuda_device_count()
         if gpus < local:
@@ -343,17 +286,20 @@ def _read_model(report: PlanReport, path: str, strict: bool) -> ModelInfo | None
         except UserError as exc:
             report.error("model.path", str(exc))
             return None
-    hint = f"run `dcpctl model pull {path}`" if is_alias(path) else "fix model.path"
     if exists:
         what = f"the folder {report.model_path} has no config.json" if is_dir else f"{report.model_path} is a file"
-        fix = hint if is_alias(path) else "point model.path at an HF checkpoint folder (config.json, *.safetensors)"
+        fix = (
+            f"run `dcpctl model pull {path}`"
+            if is_alias(path)
+            else "point model.path at an HF checkpoint folder (config.json, *.safetensors)"
+        )
         report.error("model.path", f"model.path={path} is not a model: {what}; {fix}")
         return None
-    message = f"model folder {report.model_path} not found; model checks skipped ({hint})"
+    message = model_not_found(report.model_path, path)
     if strict:
-        report.error("model.path", message.replace("model checks skipped", "required by --strict"))
+        report.error("model.path", f"{message}; required by --strict")
     else:
-        report.notes.append(message)
+        report.notes.append(f"{message}; model checks skipped")
     return None
 
 

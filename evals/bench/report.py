@@ -13,7 +13,7 @@ from typing import Any
 from rich.table import Table
 
 from engine.io_utils import atomic_write_bytes, atomic_write_text
-from engine.kv_sizing import format_bytes
+from engine.plan.kv_sizing import format_bytes
 from evals.bench.client import RequestRecord
 from evals.bench.metrics import BenchMetrics, Stat
 from evals.bench.roofline import Roofline

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine.checkpoints.model_info import dtype_bytes, read_model_info, weight_elements
 from engine.errors import UserError
-from engine.model_info import dtype_bytes, read_model_info, weight_elements
-from engine.plan.checks import PlanReport
+from engine.plan.report import PlanReport
 from evals.bench.client import RequestRecord, RunResult, run_requests
 from evals.bench.metrics import compute_metrics
 from evals.bench.options import HF_LABEL, BenchContext

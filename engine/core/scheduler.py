@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
-from engine.step import ScheduledChunk, StepPlan
+from engine.core.block_manager import BlockManager
+from engine.core.sequence import Sequence, SequenceStatus
+from engine.runtime.step import ScheduledChunk, ScheduledStep
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.peak_running = 0  # the largest batch of running sequences so far
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -76,8 +77,8 @@ class Scheduler:
             return remaining
         return budget if self.config.chunked_prefill else 0
 
-    def schedule(self) -> tuple[StepPlan, list[Sequence]]:
-        """Choose this step's chunks; returns the plan and the sequences in chunk order."""
+    def schedule(self) -> tuple[ScheduledStep, list[Sequence]]:
+        """Choose this step's chunks; returns the step and the sequences in chunk order."""
         budget = self.config.max_num_batched_tokens
         picked: list[tuple[Sequence, int]] = []
         index = 0
@@ -110,14 +111,15 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self.peak_running = max(self.peak_running, len(self.running))
             picked.append((seq, n))
             budget -= n
         picked.sort(key=lambda item: item[1] == 1)  # prefill chunks first, decodes last (stable)
-        plan = StepPlan([self._chunk(seq, n) for seq, n in picked])
-        return plan, [seq for seq, _ in picked]
+        step = ScheduledStep([self._chunk(seq, n) for seq, n in picked])
+        return step, [seq for seq, _ in picked]
 
-    def step_done(self, seqs: list[Sequence], plan: StepPlan) -> None:
+    def step_done(self, seqs: list[Sequence], step: ScheduledStep) -> None:
         """Advance each scheduled sequence by the tokens it computed and register full blocks."""
-        for seq, chunk in zip(seqs, plan.chunks, strict=True):
+        for seq, chunk in zip(seqs, step.chunks, strict=True):
             seq.num_computed_tokens = chunk.start + len(chunk.token_ids)
             self.blocks.commit(seq)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from engine.cpu_isa import CpuIsa
+from engine.kernels.cpu_isa import CpuIsa
 
 GEMV_MAX_ROWS = 2  # above this many rows a packed GEMM is faster than the GEMV (benchmarks/gemv_roofline.py)
 GEMM_NAMES = {"onednn": "oneDNN packed", "panels": "engine panel GEMM", "torch": "torch F.linear"}

@@ -1,186 +1,31 @@
 """Rank 0's engine loop: admit requests, schedule a step, send it to every rank, sample, finish.
 
-`start_rank` is what every rank runs to join the layout and build its model runner; rank 0 then
-wraps its runner in an `LLMEngine`, and the other ranks run `follow` until rank 0 stops them.
+`LLMEngine` owns the tokenizer, the scheduler and the block manager; the model runner (one per rank, built by
+`engine.core.startup`) executes the steps. Only rank 0 keeps per-request state.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import os
-import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from engine import devices
-from engine.attention.backend import create_backend
-from engine.block_manager import BlockManager
-from engine.detokenizer import Detokenizer
-from engine.distributed import ParallelContext, broadcast_object, init_parallel, init_single
+from engine.core.block_manager import BlockManager
+from engine.core.config import EngineConfig
+from engine.core.detokenizer import Detokenizer
+from engine.core.sampler import INVALID, sample, token_logprobs
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import SamplingParams, Sequence
+from engine.distributed import ParallelContext, broadcast_object
 from engine.errors import UserError
-from engine.host_allocator import reuse_freed_memory
-from engine.io_utils import atomic_write_text
-from engine.kv_sizing import kv_sizing, parse_memory
-from engine.model_info import dtype_bytes
-from engine.model_runner import DTYPES, CacheLayout, ModelRunner, StepLogits
-from engine.plan.checks import PlanReport
-from engine.sampler import INVALID, sample, token_logprobs
-from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import SamplingParams, Sequence
-from engine.step import StepPlan
-from engine.weights import checkpoint_files
+from engine.runtime.model_runner import ModelRunner, StepLogits
+from engine.runtime.step import ScheduledStep
 
 logger = logging.getLogger("dcpctl.engine")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """The slice of a resolved plan the engine runs with."""
-
-    model_path: Path
-    dtype: str
-    cache_dtype: str
-    device: str
-    dist_backend: str
-    attention_backend: str
-    block_size: int
-    interleave: int
-    max_model_len: int
-    kv_budget_bytes: int | None  # None: a fraction of free device memory, measured after loading
-    kv_memory_fraction: float | None
-    scheduler: SchedulerConfig
-    prefix_caching: bool
-    threads_per_rank: int
-    nnodes: int
-
-    @classmethod
-    def from_report(cls, report: PlanReport) -> EngineConfig:
-        if not report.valid:
-            raise UserError(f"plan {report.name} is invalid: " + "; ".join(str(e) for e in report.errors))
-        if report.model is None:
-            raise UserError(
-                f"plan {report.name}: model folder {report.model_path} not found "
-                f"(run `dcpctl model pull {report.plan.model.path}` or fix model.path)"
-            )
-        plan = report.plan
-        _, fraction = parse_memory(plan.cache.memory)
-        max_len = report.max_model_len or report.model.max_position_embeddings
-        return cls(
-            model_path=report.model_path,
-            dtype=report.dtype,
-            cache_dtype=report.cache_dtype,
-            device=report.device,
-            dist_backend=plan.launch.dist_backend,
-            attention_backend=report.backend,
-            block_size=plan.cache.block_size,
-            interleave=plan.parallel.interleave,
-            max_model_len=max_len,
-            kv_budget_bytes=report.kv_budget_bytes if fraction is None or report.device == "cpu" else None,
-            kv_memory_fraction=fraction,
-            scheduler=SchedulerConfig(
-                plan.scheduler.max_num_seqs,
-                plan.scheduler.max_num_batched_tokens,
-                plan.scheduler.chunked_prefill,
-                max_len,
-            ),
-            prefix_caching=plan.cache.prefix_caching,
-            threads_per_rank=plan.launch.threads_per_rank,
-            nnodes=plan.launch.nnodes,
-        )
-
-
-def _set_threads(config: EngineConfig, par: ParallelContext) -> None:
-    if config.device != "cpu":
-        return
-    local = max(1, par.world_size // max(1, config.nnodes))
-    torch.set_num_threads(config.threads_per_rank or max(1, devices.cpu_cores() // local))
-
-
-def _num_blocks(config: EngineConfig, report: PlanReport, runner: ModelRunner, par: ParallelContext) -> int:
-    if config.kv_budget_bytes is not None:
-        assert report.kv is not None
-        return report.kv.num_blocks
-    free, _ = torch.cuda.mem_get_info(par.device)
-    budget = int(free * config.kv_memory_fraction)
-    sizing = kv_sizing(
-        report.model, par.tp_size, par.dcp_size, config.block_size, dtype_bytes(config.cache_dtype), budget
-    )
-    blocks = torch.tensor([sizing.num_blocks], device=par.device)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(blocks, op=torch.distributed.ReduceOp.MIN)
-    return int(blocks.item())
-
-
-def start_rank(report: PlanReport) -> tuple[EngineConfig, ParallelContext, ModelRunner]:
-    """Join the plan's layout (torchrun world, or a single process) and build this rank's runner."""
-    from transformers import AutoConfig
-
-    config = EngineConfig.from_report(report)
-    layout = report.layout
-    device = torch.device("cuda" if config.device == "cuda" else "cpu")
-    if layout.world_size == 1 and "RANK" not in os.environ:
-        par = init_single(layout, device)
-    else:
-        par = init_parallel(layout, config.device, config.dist_backend)
-    _set_threads(config, par)
-    if device.type == "cpu":
-        reuse_freed_memory()
-    checkpoint_files(config.model_path)  # a clear error for a folder without weights, before any work
-    try:
-        hf_config = AutoConfig.from_pretrained(config.model_path)
-    except (ValueError, OSError) as exc:
-        raise UserError(f"{config.model_path}/config.json: transformers cannot read it ({exc})") from None
-    runner = ModelRunner(
-        hf_config,
-        config.model_path,
-        par,
-        DTYPES[config.dtype],
-        create_backend(config.attention_backend),
-        config.max_model_len,
-    )
-    runner.allocate_cache(
-        CacheLayout(
-            num_blocks=_num_blocks(config, report, runner, par),
-            block_size=config.block_size,
-            interleave=config.interleave,
-            dtype=DTYPES[config.cache_dtype],
-        )
-    )
-    _write_rank_stats(par, runner)
-    if runner.cpu_paths and par.is_driver:
-        print(f"dcpctl: {runner.cpu_paths}", file=sys.stderr, flush=True)
-    return config, par, runner
-
-
-def _write_rank_stats(par: ParallelContext, runner: ModelRunner) -> None:
-    """With DCPCTL_RANK_STATS_DIR set, each rank records its KV cache allocation (for tests and tooling)."""
-    folder = os.environ.get("DCPCTL_RANK_STATS_DIR")
-    if not folder:
-        return
-    stats = {
-        "rank": par.rank,
-        "world_size": par.world_size,
-        "tp_rank": par.tp_rank,
-        "dcp_rank": par.dcp_rank,
-        "kv_cache_bytes": runner.kv_cache_bytes,
-        "kv_cache_shape": list(runner.kv_cache.shape),
-        "num_blocks": runner.cache_layout.num_blocks,
-    }
-    atomic_write_text(Path(folder) / f"rank{par.rank}.json", json.dumps(stats))
-
-
-def follow(par: ParallelContext, runner: ModelRunner) -> None:
-    """Non-driver ranks: run every step rank 0 sends until it sends None."""
-    while True:
-        plan = broadcast_object(None, par.control_group)
-        if plan is None:
-            return
-        runner.execute(plan)
 
 
 def _eos_ids(folder: Path, hf_config, tokenizer) -> set[int]:
@@ -200,11 +45,12 @@ def _eos_ids(folder: Path, hf_config, tokenizer) -> set[int]:
 
 
 @dataclass
-class EngineStats:
+class EngineCounters:
+    """What the engine has done since it started."""
+
     steps: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -224,7 +70,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.requests: dict[str, Sequence] = {}
         self.generators: dict[int, torch.Generator] = {}
-        self.stats = EngineStats()
+        self.counters = EngineCounters()
         self._ids = itertools.count()
         self._stopped = False
 
@@ -259,7 +105,7 @@ class LLMEngine:
             self.generators[seq.seq_id] = torch.Generator(device=self.par.device).manual_seed(params.seed)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
-        self.stats.prompt_tokens += len(ids)
+        self.counters.prompt_tokens += len(ids)
         return seq
 
     def abort(self, request_id: str) -> None:
@@ -271,6 +117,25 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def stats(self) -> dict[str, int]:
+        """KV blocks (used, free, peak), batch sizes and token counters, as of now."""
+        blocks, scheduler, counters = self.blocks, self.scheduler, self.counters
+        return {
+            "num_blocks": blocks.num_blocks,
+            "used_blocks": blocks.num_used_blocks,
+            "free_blocks": blocks.num_free_blocks,
+            "peak_used_blocks": blocks.peak_used,
+            "tokens_per_block": blocks.span,
+            "running": len(scheduler.running),
+            "waiting": len(scheduler.waiting),
+            "peak_running": scheduler.peak_running,
+            "steps": counters.steps,
+            "prompt_tokens": counters.prompt_tokens,
+            "generated_tokens": counters.generated_tokens,
+            "preemptions": scheduler.num_preemptions,
+            "prefix_hit_tokens": blocks.prefix_hit_tokens,
+        }
+
     def _finish(self, seq: Sequence, reason: str, flush: bool = True) -> None:
         if flush:
             self.detokenizer.step(seq, final=True)
@@ -281,16 +146,16 @@ class LLMEngine:
 
     def step(self) -> list[Sequence]:
         """Run one step on every rank; returns the sequences that got a token or finished."""
-        plan, seqs = self.scheduler.schedule()
-        if not plan.chunks:
+        scheduled, seqs = self.scheduler.schedule()
+        if not scheduled.chunks:
             return []
-        broadcast_object(plan, self.par.control_group)
-        result = self.runner.execute(plan)
-        self.scheduler.step_done(seqs, plan)
-        self.stats.steps += 1
-        return self._process(plan, seqs, result)
+        broadcast_object(scheduled, self.par.control_group)
+        result = self.runner.execute(scheduled)
+        self.scheduler.step_done(seqs, scheduled)
+        self.counters.steps += 1
+        return self._process(scheduled, seqs, result)
 
-    def _process(self, plan: StepPlan, seqs: list[Sequence], result: StepLogits | None) -> list[Sequence]:
+    def _process(self, scheduled: ScheduledStep, seqs: list[Sequence], result: StepLogits | None) -> list[Sequence]:
         """Sample, detokenize and check stops for the step's sequences.
 
         A failure in that work for one sequence finishes only that sequence (finish_reason "error", blocks freed);
@@ -299,7 +164,7 @@ class LLMEngine:
         """
         updated: list[Sequence] = []
         sampled_rows, sampled_seqs = [], []
-        for i, (seq, chunk) in enumerate(zip(seqs, plan.chunks, strict=True)):
+        for i, (seq, chunk) in enumerate(zip(seqs, scheduled.chunks, strict=True)):
             first, count = result.chunk_rows[i] if result else (0, 0)
             if chunk.prompt_logprobs and count:
                 try:
@@ -331,7 +196,7 @@ class LLMEngine:
                 if seq.params.logprobs is not None:
                     seq.logprobs.extend(token_logprobs(logits[row : row + 1], [token], seq.params.logprobs))
                 seq.token_ids.append(token)
-                self.stats.generated_tokens += 1
+                self.counters.generated_tokens += 1
                 if seq.first_token_time is None:
                     seq.first_token_time = now
                 self._check_stop(seq, token)

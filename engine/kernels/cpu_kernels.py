@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu_isa import CpuIsa, detect
-from engine.layers.cpu_paths import KERNEL_DTYPE_NAMES, kernels_wanted
+from engine.kernels.cpu_isa import CpuIsa, detect
+from engine.kernels.cpu_paths import KERNEL_DTYPE_NAMES, kernels_wanted
 
 KERNEL_DTYPES = tuple(getattr(torch, name) for name in KERNEL_DTYPE_NAMES)
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_kernels.cpp", "cpu_gemm.cpp"))

@@ -1,6 +1,6 @@
-"""Runs the model on one rank: builds it, loads its slices, owns its KV cache, executes step plans.
+"""Runs the model on one rank: builds it, loads its slices, owns its KV cache, executes scheduled steps.
 
-Every rank runs the same plan; per step the runner turns it into tensors and attention metadata
+Every rank runs the same step; per step the runner turns it into tensors and attention metadata
 once (slot mapping and local lengths from the DCP math), then the layers read that metadata.
 The runner decides no policy: what to run comes from rank 0's scheduler.
 """
@@ -15,17 +15,16 @@ import torch
 
 from engine import dcp
 from engine.attention import kv_cache
-from engine.attention.backend import AttentionBackend
-from engine.attention.metadata import AttentionMetadata, PagedKV, PrefillNew, step_metadata
+from engine.attention.backend import AttentionBackend, AttentionMetadata, PagedKV, PrefillNew, step_metadata
 from engine.distributed import ParallelContext
+from engine.kernels.cpu_gemm import cpu_paths_line, pack_linears
 from engine.layers.attention import PagedAttention
-from engine.layers.cpu_gemm import cpu_paths_line, pack_linears
 from engine.models import build_model
 from engine.models.base import inline_module_attributes
 from engine.models.loading import load_checkpoint
-from engine.step import StepPlan
+from engine.runtime.step import ScheduledStep
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -99,29 +98,29 @@ class ModelRunner:
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
     def _metadata(
-        self, plan: StepPlan, cu: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor
+        self, step: ScheduledStep, cu: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor
     ) -> AttentionMetadata:
         d = self.par.dcp_size
-        num_prefills = plan.num_prefills
-        prefill_counts = [len(ch.token_ids) for ch in plan.chunks[:num_prefills]]
+        num_prefills = step.num_prefills
+        prefill_counts = [len(ch.token_ids) for ch in step.chunks[:num_prefills]]
         prefill_tokens = sum(prefill_counts)
         md = AttentionMetadata(
             backend=self.backend,
             slot_mapping=slots,
             num_prefill_tokens=prefill_tokens,
-            num_decode_tokens=len(plan.chunks) - num_prefills,
+            num_decode_tokens=len(step.chunks) - num_prefills,
         )
         if num_prefills:
             md.prefill = PrefillNew(
                 cu_seqlens=cu[: num_prefills + 1], seq_lens=prefill_counts, max_len=max(prefill_counts)
             )
-            context = [ch.start for ch in plan.chunks[:num_prefills]]
+            context = [ch.start for ch in step.chunks[:num_prefills]]
             if any(context):
                 md.prefill_context = self._paged_kv(
                     tables[:num_prefills], context, cu[: num_prefills + 1], prefill_counts, need_lse=True
                 )
         if md.num_decode_tokens:
-            ends = [ch.start + 1 for ch in plan.chunks[num_prefills:]]  # the new token is already in the cache
+            ends = [ch.start + 1 for ch in step.chunks[num_prefills:]]  # the new token is already in the cache
             md.decode = self._paged_kv(
                 tables[num_prefills:],
                 ends,
@@ -149,9 +148,9 @@ class ModelRunner:
             need_lse=need_lse,
         )
 
-    def prepare_inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare_inputs(self, step: ScheduledStep) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Token ids, positions and attention metadata of a (non-empty) step, built once for all layers."""
-        chunks = plan.chunks
+        chunks = step.chunks
         device = self.device
         counts = torch.tensor([len(ch.token_ids) for ch in chunks], device=device)
         starts = torch.tensor([ch.start for ch in chunks], device=device)
@@ -168,15 +167,15 @@ class ModelRunner:
         slots = dcp.slot(
             positions, self.par.dcp_rank, tables, c.block_size, c.interleave, self.par.dcp_size, rows=seq_index
         )
-        return input_ids, positions, self._metadata(plan, cu, tables, slots)
+        return input_ids, positions, self._metadata(step, cu, tables, slots)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepLogits | None:
-        """Run one step; rank 0 gets the logits the plan asked for, other ranks None."""
-        chunks = plan.chunks
+    def execute(self, step: ScheduledStep) -> StepLogits | None:
+        """Run one step; rank 0 gets the logits the step asked for, other ranks None."""
+        chunks = step.chunks
         if not chunks:
             return None
-        input_ids, positions, metadata = self.prepare_inputs(plan)
+        input_ids, positions, metadata = self.prepare_inputs(step)
         with step_metadata(metadata):
             hidden = self.model(input_ids, positions)
         if not self.par.computes_logits:

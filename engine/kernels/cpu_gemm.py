@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cpu_isa import detect
-from engine.layers.cpu_kernels import cpu_kernels_available, gemv, loaded_build, pack_panels, panel_linear
-from engine.layers.cpu_paths import GEMM_NAMES, GEMV_MAX_ROWS, KERNEL_DTYPE_NAMES, describe_paths, gemm_choices
+from engine.kernels.cpu_isa import detect
+from engine.kernels.cpu_kernels import cpu_kernels_available, gemv, loaded_build, pack_panels, panel_linear
+from engine.kernels.cpu_paths import GEMM_NAMES, GEMV_MAX_ROWS, KERNEL_DTYPE_NAMES, describe_paths, gemm_choices
 
 _BATCH_HINT = 16  # the reorder picks a blocking for this many rows; any row count works
 _log = logging.getLogger(__name__)

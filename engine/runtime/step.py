@@ -23,8 +23,8 @@ class ScheduledChunk:
 
 
 @dataclass
-class StepPlan:
-    """One engine step. Prefill chunks (several tokens) come first, then decodes (one token)."""
+class ScheduledStep:
+    """One engine step: what every rank runs. Prefill chunks (several tokens) come first, then decodes (one token)."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
 

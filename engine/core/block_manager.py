@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from engine import dcp
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 
 class BlockManager:
@@ -78,10 +78,6 @@ class BlockManager:
         reused = len(seq.block_table) * self.span
         self.prefix_hit_tokens += reused
         return reused
-
-    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        """True if the sequence can hold `num_tokens` positions after allocating free blocks."""
-        return self.blocks_for(num_tokens) - len(seq.block_table) <= len(self.free)
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Allocate blocks so the sequence covers `num_tokens` positions; False (nothing changed) if short."""

@@ -15,7 +15,8 @@ import tempfile
 from pathlib import Path
 
 from engine.errors import UserError
-from engine.plan.checks import PlanReport
+from engine.plan.report import PlanReport
+from engine.plan.schema import LaunchSection
 
 _LOWEST_PICKED_PORT = 10000
 
@@ -60,16 +61,14 @@ def ensure_port_free(host: str, port: int, what: str) -> None:
             ) from None
 
 
-def torchrun_command(report: PlanReport, worker_args: list[str]) -> list[str]:
-    """The torchrun command line for this node of the plan."""
-    launch = report.plan.launch
-    local = report.world_size // launch.nnodes
+def torchrun_command(launch: LaunchSection, ranks_per_node: int, worker_args: list[str]) -> list[str]:
+    """The torchrun command line for this node of a plan's launch section."""
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         f"--nnodes={launch.nnodes}",
-        f"--nproc-per-node={local}",
+        f"--nproc-per-node={ranks_per_node}",
         f"--node-rank={launch.node_rank}",
         "--max-restarts=0",
         "--monitor-interval=0.5",
@@ -133,7 +132,8 @@ def launch(report: PlanReport, overrides: list[str], job_args: list[str]) -> Non
     """Run the plan's ranks to completion; a UserError names the root cause if any rank fails."""
     run_dir = Path(tempfile.mkdtemp(prefix="dcpctl-run-"))
     log = run_dir / "torchrun.log"
-    cmd = torchrun_command(report, [*plan_args(report, overrides), "--error-dir", str(run_dir), *job_args])
+    worker_args = [*plan_args(report, overrides), "--error-dir", str(run_dir), *job_args]
+    cmd = torchrun_command(report.plan.launch, report.local_world_size, worker_args)
     env = dict(os.environ, LOGLEVEL=os.environ.get("LOGLEVEL", "ERROR"), PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
     # started in the background (nohup, `&`) SIGINT arrives ignored, and torchrun would inherit that: `kill -INT`

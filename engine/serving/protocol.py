@@ -1,5 +1,4 @@
-"""OpenAI-compatible request models, their validation, and response pieces for the server (plain data, no threads,
-no torch).
+"""OpenAI-compatible request models and their validation (plain data, no threads, no torch).
 
 The request models are what FastAPI's OpenAPI document (`/openapi.json`) shows clients. Requests accept what the
 OpenAI and vLLM clients send; unknown fields are ignored, but known sampling options the engine cannot honour
@@ -10,16 +9,12 @@ must be finite (Python's JSON parser takes NaN and Infinity) and within their do
 from __future__ import annotations
 
 import json
-import time
-import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.core.sequence import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 from engine.errors import UserError
-from engine.sequence import MAX_LOGPROBS, SEED_RANGE, SamplingParams, TokenLogprob
 
 MAX_N = 128  # choices per prompt; more is almost surely a client bug and would flood the batch
 MAX_CHOICES = 4096  # prompts x n of one request: each is a sequence the engine holds until it finishes
@@ -285,100 +280,3 @@ def context_overflow(name: str, max_tokens: int, prompt_tokens: int, max_model_l
         f"(max_model_len) is {max_model_len}, so at most {max_model_len - prompt_tokens} new tokens fit; "
         f"lower {name}"
     )
-
-
-# ---- responses ----
-
-
-def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
-    """OpenAI's error object."""
-    kind = {400: "invalid_request_error", 404: "invalid_request_error", 503: "service_unavailable"}.get(
-        status, "invalid_request_error" if status < 500 else "server_error"
-    )
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def stop_holdback(text: str, stops: list[str]) -> int:
-    """Length of the longest end of `text` that could be the start of a stop string (not yet safe to send)."""
-    best = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:k]):
-                best = k
-                break
-    return best
-
-
-@dataclass
-class CompletionLogprobs:
-    """The legacy completions `logprobs` object, built incrementally (prompt tokens first with echo).
-
-    `token_text` gives a token's text (for `text_offset`); `token_name` how it is listed (default: its text).
-    """
-
-    token_text: Callable[[int], str]
-    token_name: Callable[[int], str] | None = None
-    offset: int = 0  # text offset of the next token
-
-    def block(self, entries: list[TokenLogprob | None], ids: list[int]) -> dict:
-        """`tokens`, `token_logprobs`, `top_logprobs`, `text_offset` for `ids` (entry None: no logprob)."""
-        name = self.token_name or self.token_text
-        tokens, values, tops, offsets = [], [], [], []
-        for token_id, entry in zip(ids, entries, strict=True):
-            tokens.append(name(token_id))
-            offsets.append(self.offset)
-            self.offset += len(self.token_text(token_id))
-            if entry is None:
-                values.append(None)
-                tops.append(None)
-                continue
-            values.append(entry.logprob)
-            # the chosen token is always listed (as vLLM does); ids that decode alike share a key, which keeps
-            # the larger logprob: lm-eval's greedy check (chosen == max of top) then stays right
-            top: dict[str, float] = {}
-            for i, lp in [*entry.top, (token_id, entry.logprob)]:
-                key = name(i)
-                top[key] = max(lp, top.get(key, lp))
-            tops.append(top)
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
-
-
-def merge_logprobs(parts: list[dict]) -> dict | None:
-    """Concatenate completions logprobs blocks (prompt part, then generated part)."""
-    if not parts:
-        return None
-    merged: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for part in parts:
-        for key, values in merged.items():
-            values.extend(part[key])
-    return merged
-
-
-def chat_logprobs(
-    entries: list[TokenLogprob], token_text: Callable[[int], str], token_name: Callable[[int], str] | None = None
-) -> dict:
-    """The chat completions `logprobs` object: `{"content": [...]}`, one item per generated token."""
-    name = token_name or token_text
-
-    def item(token_id: int, logprob: float) -> dict:
-        return {"token": name(token_id), "logprob": logprob, "bytes": list(token_text(token_id).encode("utf-8"))}
-
-    return {
-        "content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(i, lp) for i, lp in e.top]} for e in entries]
-    }

@@ -6,8 +6,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from engine.checkpoints.model_info import ModelInfo
 from engine.errors import UserError
-from engine.model_info import ModelInfo
 
 _UNITS = {
     "": 1,

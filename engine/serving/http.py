@@ -1,5 +1,5 @@
-"""HTTP plumbing of the OpenAI app: a request body size limit, the JSON parsing of request bodies, and the error
-responses its OpenAPI document declares.
+"""HTTP plumbing of the OpenAI app: a request body size limit, the JSON parsing of request bodies, the handlers
+that turn every error into OpenAI's error shape, and the error responses its OpenAPI document declares.
 
 The guards answer in OpenAI's error shape through the app's HTTPException handler: a body over the limit is a 413
 before the app reads it, and a body that is not UTF-8 JSON (or nests too deeply to parse) is a 400 that says why.
@@ -7,18 +7,25 @@ before the app reads it, and a body that is not UTF-8 JSON (or nests too deeply 
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.api_protocol import ErrorResponse, error_body, parse_json_body
 from engine.errors import UserError
+from engine.serving.protocol import ErrorResponse, parse_json_body, validation_message
+from engine.serving.responses import ServerError, error_body
+
+logger = logging.getLogger("dcpctl.server")
+_PARAM_RE = re.compile(r"^([a-z_]+)=")
 
 
 def _too_large(limit: int) -> str:
@@ -81,6 +88,36 @@ class JSONRoute(APIRoute):
             return await handler(_JSONRequest(request.scope, request.receive))
 
         return route
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error a handler raises answers in OpenAI's error shape: user errors 400 (naming the field the message
+    starts with), ServerError its own status, validation errors 400 (not FastAPI's 422), anything unexpected 500."""
+
+    @app.exception_handler(UserError)
+    async def _user_error(_: Request, exc: UserError):
+        message = str(exc)
+        match = _PARAM_RE.match(message)
+        code = "context_length_exceeded" if "max_model_len" in message else None
+        return JSONResponse(error_body(message, 400, match.group(1) if match else None, code), status_code=400)
+
+    @app.exception_handler(ServerError)
+    async def _server_error(_: Request, exc: ServerError):
+        return JSONResponse(error_body(str(exc), exc.status, exc.param, exc.code), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        message, param = validation_message(exc.errors())
+        return JSONResponse(error_body(message, 400, param), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException):
+        return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        logger.error("unexpected error while handling a request", exc_info=exc)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", 500), status_code=500)
 
 
 _ERROR_STATUSES = {  # what each error status means, for /openapi.json

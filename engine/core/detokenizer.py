@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.sequence import Sequence
+from engine.core.sequence import Sequence
 
 
 class Detokenizer:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sequence import SamplingParams, TokenLogprob
+from engine.core.sequence import SamplingParams, TokenLogprob
 
 INVALID = -1  # the token id `sample` returns for a row with no distribution to draw from
 

@@ -1,0 +1,71 @@
+"""The slice of a resolved plan that the engine runs with (`EngineConfig`): every rank's start-up and rank 0's
+engine read it, never the whole plan report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.checkpoints.model_info import ModelInfo
+from engine.core.scheduler import SchedulerConfig
+from engine.errors import UserError
+from engine.parallel_layout import ParallelLayout
+from engine.plan.kv_sizing import parse_memory
+from engine.plan.report import PlanReport
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The slice of a resolved plan the engine runs with."""
+
+    model_path: Path
+    model: ModelInfo
+    layout: ParallelLayout
+    dtype: str
+    cache_dtype: str
+    device: str
+    dist_backend: str
+    attention_backend: str
+    block_size: int
+    interleave: int
+    max_model_len: int
+    num_blocks: int | None  # KV blocks per rank; None: a fraction of free GPU memory, measured after loading
+    kv_memory_fraction: float | None
+    scheduler: SchedulerConfig
+    prefix_caching: bool
+    threads_per_rank: int
+    local_world_size: int  # ranks on this node, which share its cores
+
+    @classmethod
+    def from_report(cls, report: PlanReport) -> EngineConfig:
+        """The engine's slice of a valid plan whose model folder is here; a UserError says why not otherwise."""
+        report.require_valid()
+        if report.missing_model:
+            raise UserError(report.missing_model)
+        plan = report.plan
+        _, fraction = parse_memory(plan.cache.memory)
+        max_len = report.max_model_len or report.model.max_position_embeddings
+        return cls(
+            model_path=report.model_path,
+            model=report.model,
+            layout=report.layout,
+            dtype=report.dtype,
+            cache_dtype=report.cache_dtype,
+            device=report.device,
+            dist_backend=plan.launch.dist_backend,
+            attention_backend=report.backend,
+            block_size=plan.cache.block_size,
+            interleave=plan.parallel.interleave,
+            max_model_len=max_len,
+            num_blocks=report.kv.num_blocks if report.kv is not None else None,
+            kv_memory_fraction=fraction,
+            scheduler=SchedulerConfig(
+                plan.scheduler.max_num_seqs,
+                plan.scheduler.max_num_batched_tokens,
+                plan.scheduler.chunked_prefill,
+                max_len,
+            ),
+            prefix_caching=plan.cache.prefix_caching,
+            threads_per_rank=plan.launch.threads_per_rank,
+            local_world_size=report.local_world_size,
+        )

@@ -1,0 +1,136 @@
+"""Every rank's start: join the plan's layout, build the model runner and its KV cache; then rank 0 drives and
+the other ranks follow.
+
+`start_engine` is the one start-up path (the Python API and the server both take it): every rank runs `start_rank`;
+rank 0 wraps its runner in an `LLMEngine`, and the other ranks run `follow` until rank 0 stops them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from engine import devices
+from engine.attention.registry import create_backend
+from engine.checkpoints.model_info import dtype_bytes
+from engine.checkpoints.weights import checkpoint_files
+from engine.core.config import EngineConfig
+from engine.core.engine import LLMEngine
+from engine.distributed import ParallelContext, broadcast_object, init_parallel, init_single
+from engine.errors import UserError
+from engine.io_utils import atomic_write_text
+from engine.plan.kv_sizing import kv_sizing
+from engine.plan.report import PlanReport
+from engine.runtime.host_allocator import reuse_freed_memory
+from engine.runtime.model_runner import TORCH_DTYPES, CacheLayout, ModelRunner
+
+
+def _set_threads(config: EngineConfig) -> None:
+    if config.device != "cpu":
+        return
+    torch.set_num_threads(config.threads_per_rank or max(1, devices.cpu_cores() // config.local_world_size))
+
+
+def _num_blocks(config: EngineConfig, par: ParallelContext) -> int:
+    """KV blocks per rank: the plan's count, else what the GPU's free memory buys (the least over all ranks)."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    free, _ = torch.cuda.mem_get_info(par.device)
+    budget = int(free * config.kv_memory_fraction)
+    sizing = kv_sizing(
+        config.model, par.tp_size, par.dcp_size, config.block_size, dtype_bytes(config.cache_dtype), budget
+    )
+    blocks = torch.tensor([sizing.num_blocks], device=par.device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(blocks, op=torch.distributed.ReduceOp.MIN)
+    return int(blocks.item())
+
+
+def start_rank(report: PlanReport) -> tuple[EngineConfig, ParallelContext, ModelRunner]:
+    """Join the plan's layout (torchrun world, or a single process) and build this rank's runner."""
+    from transformers import AutoConfig
+
+    config = EngineConfig.from_report(report)
+    layout = config.layout
+    device = torch.device("cuda" if config.device == "cuda" else "cpu")
+    if layout.world_size == 1 and "RANK" not in os.environ:
+        par = init_single(layout, device)
+    else:
+        par = init_parallel(layout, config.device, config.dist_backend)
+    _set_threads(config)
+    if device.type == "cpu":
+        reuse_freed_memory()
+    checkpoint_files(config.model_path)  # a clear error for a folder without weights, before any work
+    try:
+        hf_config = AutoConfig.from_pretrained(config.model_path)
+    except (ValueError, OSError) as exc:
+        raise UserError(f"{config.model_path}/config.json: transformers cannot read it ({exc})") from None
+    runner = ModelRunner(
+        hf_config,
+        config.model_path,
+        par,
+        TORCH_DTYPES[config.dtype],
+        create_backend(config.attention_backend),
+        config.max_model_len,
+    )
+    runner.allocate_cache(
+        CacheLayout(
+            num_blocks=_num_blocks(config, par),
+            block_size=config.block_size,
+            interleave=config.interleave,
+            dtype=TORCH_DTYPES[config.cache_dtype],
+        )
+    )
+    _write_rank_stats(par, runner)
+    if runner.cpu_paths and par.is_driver:
+        print(f"dcpctl: {runner.cpu_paths}", file=sys.stderr, flush=True)
+    return config, par, runner
+
+
+def _write_rank_stats(par: ParallelContext, runner: ModelRunner) -> None:
+    """With DCPCTL_RANK_STATS_DIR set, each rank records its KV cache allocation (for tests and tooling)."""
+    folder = os.environ.get("DCPCTL_RANK_STATS_DIR")
+    if not folder:
+        return
+    stats = {
+        "rank": par.rank,
+        "world_size": par.world_size,
+        "tp_rank": par.tp_rank,
+        "dcp_rank": par.dcp_rank,
+        "kv_cache_bytes": runner.kv_cache_bytes,
+        "kv_cache_shape": list(runner.kv_cache.shape),
+        "num_blocks": runner.cache_layout.num_blocks,
+    }
+    atomic_write_text(Path(folder) / f"rank{par.rank}.json", json.dumps(stats))
+
+
+def start_engine(report: PlanReport, shield_followers: bool = False) -> LLMEngine | None:
+    """Every rank's start: rank 0 gets its engine; any other rank follows rank 0's steps until rank 0 stops it,
+    then gets None.
+
+    `shield_followers`: the followers ignore SIGINT and SIGTERM (a server's ranks). Rank 0 decides when to stop (it
+    tells them after its last step); a signal from torchrun must not kill a follower in the middle of a collective,
+    which would leave rank 0 hanging.
+    """
+    config, par, runner = start_rank(report)
+    if par.is_driver:
+        return LLMEngine(config, par, runner)
+    if shield_followers:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+    follow(par, runner)
+    return None
+
+
+def follow(par: ParallelContext, runner: ModelRunner) -> None:
+    """Non-driver ranks: run every step rank 0 sends until it sends None."""
+    while True:
+        step = broadcast_object(None, par.control_group)
+        if step is None:
+            return
+        runner.execute(step)

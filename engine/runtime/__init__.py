@@ -1,0 +1,1 @@
+"""Every rank's machinery: the step it receives, the model runner that runs it, the torchrun launch of ranks."""

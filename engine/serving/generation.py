@@ -1,0 +1,177 @@
+"""One HTTP request's generation: its choices, the engine requests behind them, the watch on its client, and the
+server-sent-events stream that carries them.
+
+A handler that ends early (the client disconnected, the task was cancelled) closes its generation, which aborts the
+engine requests that have not finished and so frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from engine.core.sequence import SamplingParams, TokenLogprob
+from engine.serving.engine_loop import EngineLoop, EngineRequest, Sink, Update
+from engine.serving.responses import ResponseHead, ServerError, error_body, new_id, stop_holdback
+
+_DISCONNECTED = object()
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its response was complete."""
+
+
+@dataclass
+class Choice:
+    """One choice of the response (a prompt's n-th sample) as the updates build it."""
+
+    index: int
+    prompt_ids: list[int]
+    prompt_text: str | None  # what echo prepends
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    sent: int = 0  # characters of text already streamed
+    started: bool = False
+
+    def apply(self, update: Update) -> None:
+        self.text = update.text
+        self.token_ids.extend(update.token_ids)
+        self.logprobs.extend(update.logprobs)
+        if update.prompt_logprobs is not None:
+            self.prompt_logprobs = update.prompt_logprobs
+        self.finish_reason = update.finish_reason
+        self.stop_reason = update.stop_reason
+
+    def stream_delta(self, stops: list[str]) -> str:
+        """New text that is safe to send: all of it once finished, else all but a possible stop-string start."""
+        end = len(self.text) if self.finish_reason else len(self.text) - stop_holdback(self.text, stops)
+        if end <= self.sent:
+            return ""
+        delta = self.text[self.sent : end]
+        self.sent = end
+        return delta
+
+
+class Generation:
+    """The engine requests behind one HTTP request, and the watch on its client."""
+
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        request: Request,
+        choices: list[Choice],
+        params: list[SamplingParams],
+        prompt_numbers: list[int],
+    ):
+        self.engine_loop = engine_loop
+        self.request = request
+        self.choices = choices
+        self.items = [
+            EngineRequest(new_id("req"), c.index, number, c.prompt_ids, p)
+            for c, p, number in zip(choices, params, prompt_numbers, strict=True)
+        ]
+        self.sink: Sink | None = None
+        self._watch: asyncio.Task | None = None
+        self._closed = False
+
+    async def start(self) -> None:
+        self.sink = Sink()
+        await self.engine_loop.add(self.items, self.sink, numbered=len(set(i.prompt_number for i in self.items)) > 1)
+        self._watch = asyncio.ensure_future(self._watch_disconnect(self.request.receive, self.sink))
+
+    @staticmethod
+    async def _watch_disconnect(receive: Callable, sink: Sink) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                sink.queue.put_nowait(_DISCONNECTED)
+                return
+
+    async def updates(self) -> AsyncIterator[Choice]:
+        """Yield the choice each update changed, until all are finished; raises ClientGone or ServerError."""
+        assert self.sink is not None
+        pending = len(self.choices)
+        while pending:
+            update = await self.sink.queue.get()
+            if update is _DISCONNECTED:
+                raise ClientGone
+            if update.error is not None:
+                raise update.error
+            choice = self.choices[update.index]
+            choice.apply(update)
+            if update.finish_reason is not None:
+                pending -= 1
+            yield choice
+
+    async def run_to_end(self) -> bool:
+        """Wait until every choice has finished (False: the client went first); the generation is closed after."""
+        try:
+            async for _ in self.updates():
+                pass
+        except ClientGone:
+            return False
+        finally:
+            self.close()
+        return True
+
+    def close(self) -> None:
+        """Abort whatever has not finished (synchronous, so it also runs in a cancelled generator's finally)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._watch is not None:
+            self._watch.cancel()
+        unfinished = [item.request_id for item, c in zip(self.items, self.choices, strict=True) if not c.finish_reason]
+        if unfinished:
+            self.engine_loop.abort(unfinished)
+
+
+def stream_chunk(head: ResponseHead, gen: Generation, item: dict, finish: str | None, include_usage: bool) -> dict:
+    """One SSE body with a single choice; `usage` is null on all but the final usage chunk."""
+    item["finish_reason"] = finish
+    if finish is not None:
+        item["stop_reason"] = gen.choices[item["index"]].stop_reason
+    body = head.body([item])
+    if include_usage:
+        body["usage"] = None
+    return body
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def event_stream(gen: Generation, chunks: AsyncIterator[dict]) -> StreamingResponse:
+    """The chunks as server-sent events, then `[DONE]`; an engine error after the 200 is sent goes in-band."""
+
+    async def body():
+        try:
+            async for payload in chunks:
+                yield _sse(payload)
+            yield _sse("[DONE]")
+        except ClientGone:
+            return
+        except ServerError as exc:
+            # the 200 status is already sent: report in-band, as vLLM does
+            yield _sse(error_body(str(exc), exc.status, exc.param, exc.code))
+            yield _sse("[DONE]")
+        finally:
+            gen.close()
+
+    return StreamingResponse(
+        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
+
+
+def client_gone() -> Response:
+    """The answer to a request whose client left: nginx's "client closed request" (nobody reads it)."""
+    return Response(status_code=499)
