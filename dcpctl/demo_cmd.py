@@ -20,9 +20,10 @@ MODEL_ALIAS = "smollm2-135m-instruct"
 DEMO_PLANS = ("smollm2_tp1_dcp1", "smollm2_tp1_dcp2_i1", "smollm2_tp1_dcp2_i16", "smollm2_tp1_dcp2_i64")
 # Chosen so that the whole demo (4 launches, 4 evals of 15 questions, 5-shot) fits in 5 minutes on 2 CPU cores
 # once set up: the same shots for every question (one prefix the engine's prefix cache computes once per plan) and
-# at most 128 generated tokens (gsm8k answers here take 20-90; a runaway would otherwise hold the last batch).
+# at most 96 generated tokens. The batch of 15 decodes as many steps as its longest generation: the answers here
+# take 20-90 tokens, the two that run away (repeating) would otherwise hold it for 256.
 DEFAULT_LIMIT = 15
-DEFAULT_MAX_GEN_TOKS = 128
+DEFAULT_MAX_GEN_TOKS = 96
 SYNTHETIC_DIR = "synthetic_data"
 
 

@@ -73,8 +73,6 @@ def gsm8k(
     specs, overrides = split_plans_and_overrides(args)
     if num_concurrent < 1:
         raise typer.BadParameter("--num-concurrent must be at least 1")
-    if max_gen_toks < 1:
-        raise typer.BadParameter("--max-gen-toks must be at least 1")
     opts = EvalOptions(
         task=task,
         data_dir=resolve_data_dir(data_dir),

@@ -44,6 +44,8 @@ class EvalOptions:
         """UserError for a value no eval can use."""
         if self.limit is not None and self.limit < 1:
             raise UserError(f"--limit must be at least 1 (got {self.limit})")
+        if self.max_gen_toks < 1:
+            raise UserError(f"--max-gen-toks must be at least 1 (got {self.max_gen_toks})")
 
     @property
     def questions(self) -> str:

@@ -84,7 +84,10 @@ class _Recorder:
                 index = choice.get("index", 0)
                 if not prompts or not 0 <= index < len(prompts):
                     continue
-                trace = trace_from_chat(choice) if self.chat else trace_from_completion(choice)
+                try:
+                    trace = trace_from_chat(choice) if self.chat else trace_from_completion(choice)
+                except (TypeError, ValueError, AttributeError):  # a server's odd logprobs must not fail the eval
+                    trace = None
                 for doc_id in self._docs.get(_prompt_key(prompts[index]), []) if trace else []:
                     self.traces[doc_id] = trace
         self._report()

@@ -89,7 +89,7 @@ def trace_from_completion(choice: dict[str, Any]) -> TokenTrace | None:
     ids = [_token_id(str(t)) for t in lp["tokens"]]
     values = lp.get("token_logprobs") or []
     tops_raw = lp.get("top_logprobs") or [None] * len(ids)
-    if any(i is None for i in ids) or len(values) != len(ids) or any(v is None for v in values):
+    if any(i is None for i in ids) or any(v is None for v in values) or not len(values) == len(tops_raw) == len(ids):
         return None
     tops: list[dict[int, float]] = []
     for top in tops_raw:

@@ -121,6 +121,8 @@ def test_unknown_task_and_bad_options_fail_before_launch(tmp_path, tiny_llama):
     assert code == 1 and "does not exist" in text
     code, _ = invoke("gsm8k", plan, "--num-concurrent", "0")
     assert code == 2
+    code, text = invoke("gsm8k", plan, "--max-gen-toks", "0", "--data-dir", data)
+    assert code == 1 and "--max-gen-toks must be at least 1 (got 0)" in text
     assert not any((tmp_path / o).exists() for o in ("o1", "o2"))
 
 

@@ -64,6 +64,8 @@ def test_completion_without_token_ids_or_logprobs_has_no_trace() -> None:
     assert trace_from_completion({"text": "x", "logprobs": None}) is None
     named = {"tokens": [" x"], "token_logprobs": [-0.1], "top_logprobs": [{" x": -0.1}], "text_offset": [0]}
     assert trace_from_completion({"text": " x", "logprobs": named}) is None  # names, not token ids
+    short = {"tokens": [tid(1), tid(2)], "token_logprobs": [-0.1, -0.2], "top_logprobs": [{}], "text_offset": [0, 1]}
+    assert trace_from_completion({"text": "ab", "logprobs": short}) is None  # one top list for two tokens
 
 
 def test_chat_trace_reads_content_items() -> None:
