@@ -297,7 +297,7 @@ def _agreement_panel(ax, columns: list[PlanColumn]) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("questions")
     ax.set_title("generations vs the baseline", fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3, frameon=False)
 
 
 def write_samples(run: EvalRun, plan_dir: Path) -> Path:
