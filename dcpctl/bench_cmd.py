@@ -60,7 +60,7 @@ def run_bench(
             notes=ctx.notes,
         )
         try:
-            with ProgressFeed(console, bars=True) as feed:
+            with ProgressFeed(console) as feed:
                 bench_targets(
                     targets,
                     ctx,

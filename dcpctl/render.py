@@ -3,6 +3,8 @@ progress lines of a run over targets (evals' Feed, drawn)."""
 
 from __future__ import annotations
 
+import time
+
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import (
@@ -79,45 +81,93 @@ def checked_targets(specs: list[str], overrides: list[str], console: Console) ->
     return check.targets
 
 
-class ProgressFeed:
-    """evals' Feed as rich progress lines, one per target: 'LABEL: what it does now', then its summary or
-    'FAILED — reason'. With `bars`, a bar counts the target's requests (and stays where a failure stopped it)."""
+PLAIN_PROGRESS_EVERY_S = 15.0  # a non-terminal output gets a progress line at most this often
 
-    def __init__(self, console: Console, *, bars: bool = False) -> None:
-        columns = [SpinnerColumn(), TextColumn("{task.description}")]
-        if bars:
-            columns += [BarColumn(), MofNCompleteColumn()]
-        self.progress = Progress(*columns, TimeElapsedColumn(), console=console, transient=False)
-        self.bars = bars
+
+class ProgressFeed:
+    """evals' Feed, drawn: one line per target ('LABEL: what it does now', a bar of its work done / total,
+    generated tokens/s, elapsed), then its summary or 'FAILED — reason' (the bar stays where the failure stopped it).
+    A console that is not a terminal (a log, a pipe) gets plain lines instead: each status, progress every
+    PLAIN_PROGRESS_EVERY_S seconds, the end. `redirect`: rich shows what others print to stdout/stderr above the
+    lines (off while that output goes to a run log instead)."""
+
+    def __init__(self, console: Console, *, redirect: bool = True) -> None:
+        self.console = console
+        self.live = console.is_terminal
+        self.progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+            redirect_stdout=redirect,
+            redirect_stderr=redirect,
+        )
 
     def __enter__(self) -> ProgressFeed:
-        self.progress.__enter__()
+        if self.live:
+            self.progress.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.progress.__exit__(*exc)
+        if self.live:
+            self.progress.__exit__(*exc)
 
     def target(self, label: str, total: int) -> _ProgressLine:
-        task = self.progress.add_task(escape(f"{label}: waiting"), total=total)
-        return _ProgressLine(self, task, label, total)
+        task = self.progress.add_task(escape(f"{label}: waiting"), total=total or None, rate="")
+        return _ProgressLine(self, task, label, total or None)
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}"
 
 
 class _ProgressLine:
     """One target's line of a ProgressFeed."""
 
-    def __init__(self, feed: ProgressFeed, task: TaskID, label: str, total: int) -> None:
+    def __init__(self, feed: ProgressFeed, task: TaskID, label: str, total: int | None) -> None:
         self.feed, self.task, self.label, self.total = feed, task, label, total
+        self.t0 = time.monotonic()
+        self.done, self.rate, self.said = 0, None, ""
+        self.printed_at = self.t0
+
+    def _say(self, text: str) -> None:
+        self.feed.console.print(f"{self.label}: {text}", highlight=False, markup=False)
 
     def status(self, message: str) -> None:
-        self.feed.progress.update(self.task, description=escape(f"{self.label}: {message}"))
+        if self.feed.live:
+            self.feed.progress.update(self.task, description=escape(f"{self.label}: {message}"))
+        elif message != self.said:
+            self._say(message)
+        self.said = message
+
+    def expect(self, total: int) -> None:
+        self.total = total
+        self.feed.progress.update(self.task, total=total)
 
     def advance(self) -> None:
+        self.done += 1
         self.feed.progress.advance(self.task)
+        now = time.monotonic()
+        if not self.feed.live and (self.done == self.total or now - self.printed_at >= PLAIN_PROGRESS_EVERY_S):
+            self.printed_at = now
+            rate = f", {self.rate:.1f} tok/s" if self.rate is not None else ""
+            self._say(f"{self.done}/{self.total or '?'} done{rate}, {_clock(now - self.t0)}")
+
+    def throughput(self, tokens_per_s: float) -> None:
+        self.rate = tokens_per_s
+        self.feed.progress.update(self.task, rate=f"{tokens_per_s:.1f} tok/s")
 
     def finish(self, message: str, *, failed: bool = False) -> None:
+        if not self.feed.live:
+            self._say(f"FAILED — {message}" if failed else f"{message} ({_clock(time.monotonic() - self.t0)})")
+            return
         if failed:
-            text = f"[red]{escape(self.label)}: FAILED[/] — {escape(message)}"
-            done = None if self.feed.bars else self.total
+            text, done = f"[red]{escape(self.label)}: FAILED[/] — {escape(message)}", None
         else:
-            text, done = escape(f"{self.label}: {message}"), self.total
-        self.feed.progress.update(self.task, completed=done, description=text)
+            text, done = escape(f"{self.label}: {message}"), self.total or 1
+        self.feed.progress.update(self.task, completed=done, total=self.total or 1, description=text)

@@ -1,10 +1,12 @@
-"""Compare EvalRuns against the first one (the baseline): accuracy deltas and per-question agreement."""
+"""Compare EvalRuns against the first one (the baseline): accuracy deltas, per-question agreement, and for every
+question whose text differs, whether it is a tie flip or an unexplained divergence (evals.divergence)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from evals.divergence import Divergence, Noise, explain, measure_noise, tie_margin
 from evals.results import EvalRun, Metric, SampleResult
 
 
@@ -23,7 +25,7 @@ class Agreement:
 
 @dataclass
 class Disagreement:
-    """A common question whose generated text differs from the baseline's (a tie flip, a real bug, ...)."""
+    """A common question whose generated text differs from the baseline's, and why (a tie flip or unexplained)."""
 
     doc_id: int
     question: str
@@ -33,6 +35,7 @@ class Disagreement:
     baseline_answers: dict[str, str]  # filter -> extracted answer
     plan_answers: dict[str, str]
     answers_differ: list[str]  # filters whose extracted answers differ too
+    divergence: Divergence
 
 
 @dataclass
@@ -48,6 +51,8 @@ class PlanColumn:
     answer_agreement: dict[str, Agreement]  # filter -> extracted answers equal to the baseline's
     text_agreement: Agreement | None  # generated text equal to the baseline's
     disagreements: list[Disagreement]
+    tie_margin: float | None  # nats, for this plan's and the baseline's dtypes (None: the baseline column)
+    noise: Noise | None  # how far logprobs moved from the baseline's where both generated on the same prefix
     wall_s: float | None
     generate_s: float | None
     generated_tokens: int | None
@@ -60,6 +65,15 @@ class PlanColumn:
     def failed(self) -> bool:
         """True when the plan has no results."""
         return self.error is not None
+
+    @property
+    def tie_flips(self) -> int:
+        return sum(d.divergence.tie_flip for d in self.disagreements)
+
+    @property
+    def unexplained(self) -> list[Disagreement]:
+        """Disagreements that numerical noise does not explain (the ones to look at)."""
+        return [d for d in self.disagreements if not d.divergence.tie_flip]
 
 
 @dataclass
@@ -89,6 +103,8 @@ class Comparison:
         d["n_common"] = len(self.common_doc_ids)
         for col, raw in zip(self.columns, d["columns"], strict=True):
             raw["failed"] = col.failed
+            raw["tie_flips"] = col.tie_flips
+            raw["unexplained_divergences"] = len(col.unexplained)
             if col.text_agreement is not None:
                 raw["text_agreement"]["fraction"] = col.text_agreement.fraction
             for filt, agr in col.answer_agreement.items():
@@ -126,7 +142,13 @@ def compare_runs(runs: list[EvalRun]) -> Comparison:
     if len(set(sizes.values())) > 1 or any(n != len(common) for n in sizes.values()):
         per = ", ".join(f"{k}: {v}" for k, v in sizes.items())
         notes.append(f"sample sets differ ({per}); deltas and agreement use the {len(common)} doc ids they share")
-    for attr, what in (("task", "task"), ("version", "task version"), ("n_shot", "n-shot"), ("mode", "mode")):
+    for attr, what in (
+        ("task", "task"),
+        ("version", "task version"),
+        ("n_shot", "n-shot"),
+        ("mode", "mode"),
+        ("dtype", "model dtype"),
+    ):
         values = {getattr(r, attr) for r in ok}
         if len(values) > 1:
             notes.append(f"runs differ in {what}: {', '.join(sorted(map(str, values)))}")
@@ -144,6 +166,9 @@ def compare_runs(runs: list[EvalRun]) -> Comparison:
             notes.append(f"{run.label}: {differ} of {len(common)} prompts differ from the baseline's")
     if base.failed:
         notes.append(f"baseline {base.label} failed ({base.error}); no deltas or agreement")
+    unknown = [r.label for r in ok if r.dtype is None]
+    if unknown and len(ok) > 1:
+        notes.append(f"model dtype unknown for {', '.join(unknown)} (an endpoint): the 16-bit tie margin applies")
     base_acc = {f: None if base.failed else _accuracy(base_samples, common, f) for f in filters}
 
     columns = []
@@ -155,6 +180,7 @@ def compare_runs(runs: list[EvalRun]) -> Comparison:
         answer_agr: dict[str, Agreement] = {}
         text_agr = None
         disagreements: list[Disagreement] = []
+        margin = noise = None
         for f in filters:
             a, b = common_acc[f], base_acc[f]
             delta[f] = a - b if paired and a is not None and b is not None else None
@@ -166,6 +192,9 @@ def compare_runs(runs: list[EvalRun]) -> Comparison:
                 same=sum(samples[i].generated == base_samples[i].generated for i in common), total=len(common)
             )
             if run is not base:
+                margin = tie_margin(base.dtype, run.dtype)
+                traced = [(base_samples[i].trace, samples[i].trace) for i in common]
+                noise = measure_noise([(b, p) for b, p in traced if b is not None and p is not None])
                 for i in common:
                     mine, theirs = samples[i], base_samples[i]
                     if mine.generated == theirs.generated:
@@ -180,6 +209,7 @@ def compare_runs(runs: list[EvalRun]) -> Comparison:
                             baseline_answers=dict(theirs.extracted),
                             plan_answers=dict(mine.extracted),
                             answers_differ=[f for f in filters if mine.extracted.get(f) != theirs.extracted.get(f)],
+                            divergence=explain(theirs.trace, mine.trace, margin),
                         )
                     )
         columns.append(
@@ -193,6 +223,8 @@ def compare_runs(runs: list[EvalRun]) -> Comparison:
                 answer_agreement=answer_agr,
                 text_agreement=text_agr,
                 disagreements=disagreements,
+                tie_margin=margin,
+                noise=noise,
                 wall_s=run.wall_s,
                 generate_s=run.generate_s,
                 generated_tokens=run.generated_tokens,

@@ -14,12 +14,13 @@ from typing import Any
 from engine.errors import UserError
 from engine.io_utils import atomic_write_text
 from engine.plan.loader import plan_to_dict
-from evals.endpoint import StatsWatch
+from evals.endpoint import StatsWatch, engine_stats
 from evals.launch import DEFAULT_HEALTH_TIMEOUT_S
-from evals.lifecycle import Feed, Served, ServerHook, Status, measure_target
+from evals.lifecycle import Feed, QuietFeed, Served, ServerHook, TargetFeed, measure_target
 from evals.results import EvalRun
 from evals.targets import Target
 from evals.tasks import TaskSpec
+from evals.traces import TOP_LOGPROBS
 
 DEFAULT_NUM_CONCURRENT = 16
 RUN_FILE = "eval_run.json"  # per target: settings fingerprint + the EvalRun with samples + launch facts
@@ -33,6 +34,7 @@ class EvalOptions:
     data_dir: Path | None = None
     limit: int | None = None
     num_fewshot: int = 5
+    fixed_fewshot: bool = False  # the same shots for every question (see evals.tasks.gsm8k_task)
     apply_chat_template: bool = False
     num_concurrent: int = DEFAULT_NUM_CONCURRENT
     max_gen_toks: int = 256
@@ -42,6 +44,8 @@ class EvalOptions:
         """UserError for a value no eval can use."""
         if self.limit is not None and self.limit < 1:
             raise UserError(f"--limit must be at least 1 (got {self.limit})")
+        if self.max_gen_toks < 1:
+            raise UserError(f"--max-gen-toks must be at least 1 (got {self.max_gen_toks})")
 
     @property
     def questions(self) -> str:
@@ -68,8 +72,10 @@ def fingerprint(target: Target, overrides: list[str], task: TaskSpec, opts: Eval
         "data_dir": str(task.data_dir) if task.data_dir else None,
         "limit": opts.limit,
         "num_fewshot": opts.num_fewshot,
+        "fixed_fewshot": opts.fixed_fewshot,
         "apply_chat_template": opts.apply_chat_template,
         "max_gen_toks": opts.max_gen_toks,
+        "token_traces": TOP_LOGPROBS,  # runs saved without traces can't explain their disagreements
     }
     if target.report is None:
         fp["url"] = target.spec
@@ -118,24 +124,45 @@ def _failure(label: str, reason: str, task: TaskSpec, opts: EvalOptions) -> Eval
     )
 
 
+class _EvalProgress:
+    """A target's progress while lm-eval runs: questions answered (from the responses) and generated tokens per
+    second (from the engine's stats while it has them, else from the responses' usage)."""
+
+    def __init__(self, feed: TargetFeed, base_url: str) -> None:
+        self.feed = feed
+        self.t0 = time.perf_counter()
+        self.done = self.asked = 0
+        self.tokens0 = engine_stats(base_url).get("generated_tokens")
+        self.live = False  # the engine's stats drive the rate
+
+    def answer(self, done: int, asked: int, generated_tokens: int) -> None:
+        if asked != self.asked:
+            self.asked = asked
+            self.feed.expect(asked)
+        for _ in range(done - self.done):
+            self.feed.advance()
+        self.done = done
+        if not self.live and generated_tokens:
+            self.feed.throughput(generated_tokens / (time.perf_counter() - self.t0))
+
+    def stats(self, st: dict[str, Any]) -> None:
+        tokens = st.get("generated_tokens")
+        if isinstance(tokens, int) and isinstance(self.tokens0, int):
+            self.live = True
+            self.feed.throughput((tokens - self.tokens0) / (time.perf_counter() - self.t0))
+
+
 def _run_lm_eval(
-    served: Served, label: str, task: TaskSpec, opts: EvalOptions, raw_dir: Path | None, status: Status
+    served: Served, label: str, task: TaskSpec, opts: EvalOptions, raw_dir: Path | None, feed: TargetFeed
 ) -> EvalRun:
-    """lm-eval on the server, its engine stats (when it has them) shown in the status line meanwhile."""
+    """lm-eval on the server; its answers and engine stats feed the target's progress meanwhile."""
     from evals.lm_eval_runner import run_gsm8k
 
     healthy = served.time_to_healthy_s
     prefix = f"healthy in {healthy:.1f} s; evaluating" if healthy is not None else "evaluating"
-    prefix = f"{prefix} {opts.questions}"
-
-    def show(st: dict[str, Any]) -> None:
-        status(
-            f"{prefix}: {st.get('generated_tokens')} tokens generated, "
-            f"{st.get('running')} running, {st.get('waiting')} waiting"
-        )
-
-    status(prefix)
-    with StatsWatch(served.base_url, show):
+    feed.status(f"{prefix} {opts.questions}")
+    progress = _EvalProgress(feed, served.base_url)
+    with StatsWatch(served.base_url, progress.stats):
         return run_gsm8k(
             served.base_url,
             None,
@@ -147,6 +174,7 @@ def _run_lm_eval(
             num_concurrent=opts.num_concurrent,
             max_gen_toks=opts.max_gen_toks,
             output_dir=raw_dir,
+            on_answer=progress.answer,
         )
 
 
@@ -158,25 +186,27 @@ def evaluate_target(
     *,
     plan_dir: Path,
     keep_files: bool,
-    status: Status = lambda _msg: None,
+    feed: TargetFeed | None = None,
     on_server: ServerHook | None = None,
 ) -> TargetEval:
     """Launch (plans), evaluate and stop; any failure comes back as a failed EvalRun with the reason."""
+    feed = feed or QuietFeed()
     raw_dir = plan_dir / "lm_eval" if keep_files else None
     outcome = measure_target(
         target,
         overrides,
-        lambda served: _run_lm_eval(served, target.label, task, opts, raw_dir, status),
+        lambda served: _run_lm_eval(served, target.label, task, opts, raw_dir, feed),
         activity="eval",
         log_path=plan_dir / "server.log",
         keep_log=keep_files,
         health_timeout_s=opts.health_timeout_s,
-        status=status,
+        status=feed.status,
         on_server=on_server,
     )
     run = outcome.value
     if run is None:
         run = _failure(target.label, outcome.error or "", task, opts)
+    run.dtype = target.report.dtype if target.report is not None else None
     return TargetEval(target=target, run=run, launch=outcome.launch)
 
 
@@ -201,7 +231,7 @@ def evaluate_targets(
     for target in targets:
         plan_dir = out_root / target.dir_name
         fp = fingerprint(target, overrides, task, opts)
-        progress = feed.target(target.label, total=1)
+        progress = feed.target(target.label, total=opts.limit or 0)
         saved = load_saved(plan_dir, fp) if resume else None
         if saved is not None:
             saved.target = target
@@ -218,7 +248,7 @@ def evaluate_targets(
             opts,
             plan_dir=plan_dir,
             keep_files=keep_files,
-            status=progress.status,
+            feed=progress,
             on_server=on_server,
         )
         result.launch["total_s"] = round(time.perf_counter() - t0, 2)

@@ -34,8 +34,14 @@ class TargetFeed(Protocol):
     def status(self, message: str) -> None:
         """What the target is doing now."""
 
+    def expect(self, total: int) -> None:
+        """The target's work has `total` units (questions, requests), when that is known only once it starts."""
+
     def advance(self) -> None:
-        """One more unit of work done (a request)."""
+        """One more unit of work done."""
+
+    def throughput(self, tokens_per_s: float) -> None:
+        """Generated tokens per second so far."""
 
     def finish(self, message: str, *, failed: bool = False) -> None:
         """The target is done: a summary, or (failed) the reason."""
@@ -45,7 +51,7 @@ class Feed(Protocol):
     """Whoever shows a run over targets: hands out one TargetFeed per target, in order."""
 
     def target(self, label: str, total: int) -> TargetFeed:
-        """Start showing a target with `total` units of work."""
+        """Start showing a target with `total` units of work (0: not known yet)."""
 
 
 class QuietFeed:
@@ -57,7 +63,13 @@ class QuietFeed:
     def status(self, message: str) -> None:
         pass
 
+    def expect(self, total: int) -> None:
+        pass
+
     def advance(self) -> None:
+        pass
+
+    def throughput(self, tokens_per_s: float) -> None:
         pass
 
     def finish(self, message: str, *, failed: bool = False) -> None:

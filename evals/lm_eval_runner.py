@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import time
+from collections.abc import Callable
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -16,38 +18,92 @@ from engine.io_utils import atomic_write_text
 from evals.endpoint import check_server, normalize_base_url
 from evals.results import EvalRun, Metric, SampleResult
 from evals.tasks import TaskSpec
+from evals.traces import (
+    TokenTrace,
+    chat_trace_request,
+    completions_trace_request,
+    trace_from_chat,
+    trace_from_completion,
+)
 
 __all__ = ["EvalRun", "eval_run_from_lm_eval", "run_gsm8k"]
 
 
-class _Usage:
-    """Sums usage.completion_tokens over the responses lm-eval parses (lm-eval itself discards usage)."""
+AnswerProgress = Callable[[int, int, int], None]
+"""Called after each answer: (questions answered, questions asked, generated tokens so far)."""
 
-    def __init__(self) -> None:
+_PROMPTS: ContextVar[list[Any] | None] = ContextVar("dcpctl_eval_prompts", default=None)
+
+
+def _prompt_key(prompt: Any) -> str:
+    return str(getattr(prompt, "prompt", prompt))  # chat prompts are lm-eval JsonChatStr
+
+
+class _Recorder:
+    """What the responses carry beyond the text lm-eval keeps: usage (lm-eval discards it), each question's token
+    trace (evals.traces), and progress."""
+
+    def __init__(self, chat: bool, on_answer: AnswerProgress | None) -> None:
+        self.chat = chat
+        self.on_answer = on_answer
         self.completion_tokens = 0
         self.prompt_tokens = 0
         self.responses = 0
         self.missing = 0
         self.generate_s = 0.0
+        self.asked = 0
+        self.answered = 0
+        self._docs: dict[str, list[int]] = {}  # prompt -> doc ids (a repeated question has one prompt)
+        self.traces: dict[int, TokenTrace] = {}  # doc id -> trace
 
-    def add(self, outputs: Any) -> None:
+    @property
+    def request_fields(self) -> dict[str, Any]:
+        return chat_trace_request() if self.chat else completions_trace_request()
+
+    def expect(self, requests: list[Any]) -> None:
+        """lm-eval's generate_until requests (Instances): which prompt is which doc."""
+        for req in requests:
+            self._docs.setdefault(_prompt_key(req.args[0]), []).append(req.doc_id)
+        self.asked += len(requests)
+        self._report()
+
+    def add(self, outputs: Any, prompts: list[Any] | None) -> None:
+        """One response (or a list of them) for `prompts`, in choice-index order."""
         for out in outputs if isinstance(outputs, list) else [outputs]:
             self.responses += 1
             usage = out.get("usage") if isinstance(out, dict) else None
             if not isinstance(usage, dict) or not isinstance(usage.get("completion_tokens"), int):
                 self.missing += 1
-                continue
-            self.completion_tokens += usage["completion_tokens"]
-            if isinstance(usage.get("prompt_tokens"), int):
-                self.prompt_tokens += usage["prompt_tokens"]
+            else:
+                self.completion_tokens += usage["completion_tokens"]
+                if isinstance(usage.get("prompt_tokens"), int):
+                    self.prompt_tokens += usage["prompt_tokens"]
+            choices = out.get("choices", []) if isinstance(out, dict) else []
+            for choice in choices:
+                self.answered += 1
+                index = choice.get("index", 0)
+                if not prompts or not 0 <= index < len(prompts):
+                    continue
+                try:
+                    trace = trace_from_chat(choice) if self.chat else trace_from_completion(choice)
+                except (TypeError, ValueError, AttributeError):  # a server's odd logprobs must not fail the eval
+                    trace = None
+                for doc_id in self._docs.get(_prompt_key(prompts[index]), []) if trace else []:
+                    self.traces[doc_id] = trace
+        self._report()
+
+    def _report(self) -> None:
+        if self.on_answer is not None:
+            self.on_answer(self.answered, self.asked, self.completion_tokens)
 
     @property
     def generated_tokens(self) -> int | None:
         return self.completion_tokens if self.responses and not self.missing else None
 
 
-def _make_lm(chat: bool, **model_args: Any):
-    """An instance of lm-eval's local-(chat-)completions model that also tallies usage and request time."""
+def _make_lm(chat: bool, on_answer: AnswerProgress | None, **model_args: Any):
+    """An instance of lm-eval's local-(chat-)completions model that asks for token traces and records them, usage
+    and request time (a _Recorder in its `record`)."""
     missing = [pkg for pkg in ("aiohttp", "requests", "tenacity", "tqdm") if importlib.util.find_spec(pkg) is None]
     if missing:
         raise UserError(
@@ -57,24 +113,39 @@ def _make_lm(chat: bool, **model_args: Any):
 
     base = LocalChatCompletion if chat else LocalCompletionsAPI
 
-    class _CountingLM(base):  # type: ignore[misc, valid-type]
+    class _RecordingLM(base):  # type: ignore[misc, valid-type]
         def __init__(self, **kwargs: Any) -> None:
             super().__init__(**kwargs)
-            self.usage = _Usage()
+            self.record = _Recorder(chat, on_answer)
+
+        def _create_payload(self, messages: Any, generate: bool = False, **kwargs: Any) -> dict:
+            payload = super()._create_payload(messages, generate=generate, **kwargs)
+            if generate:
+                payload.update(self.record.request_fields)
+            return payload
+
+        async def amodel_call(self, session: Any, sem: Any, messages: Any, **kwargs: Any) -> Any:
+            # parse_generations sees only the response here: the prompts travel alongside in a context variable.
+            token = _PROMPTS.set(list(messages))
+            try:
+                return await super().amodel_call(session, sem, messages, **kwargs)
+            finally:
+                _PROMPTS.reset(token)
 
         def parse_generations(self, outputs: Any, **kwargs: Any) -> list[str]:
-            self.usage.add(outputs)
+            self.record.add(outputs, kwargs.get("contexts") or _PROMPTS.get())
             return super().parse_generations(outputs=outputs, **kwargs)
 
         def generate_until(self, requests: Any, disable_tqdm: bool = False) -> list[str]:
+            self.record.expect(requests)
             t0 = time.perf_counter()
             try:
                 return super().generate_until(requests, disable_tqdm=disable_tqdm)
             finally:
-                self.usage.generate_s += time.perf_counter() - t0
+                self.record.generate_s += time.perf_counter() - t0
 
-    _CountingLM.__name__ = f"Counting{base.__name__}"
-    return _CountingLM(**model_args)
+    _RecordingLM.__name__ = f"Recording{base.__name__}"
+    return _RecordingLM(**model_args)
 
 
 def run_gsm8k(
@@ -96,6 +167,7 @@ def run_gsm8k(
     timeout_s: int = 600,
     seed: int = 1234,
     output_dir: Path | None = None,
+    on_answer: AnswerProgress | None = None,
 ) -> EvalRun:
     """Run lm-eval `task` on the server at `base_url` via local-completions (chat: local-chat-completions).
 
@@ -117,6 +189,7 @@ def run_gsm8k(
     endpoint = f"{root}/v1/chat/completions" if apply_chat_template else f"{root}/v1/completions"
     lm = _make_lm(
         apply_chat_template,
+        on_answer,
         base_url=endpoint,
         model=model_name,
         # No client-side tokenizer: 'auto' would probe /tokenizer_info then fetch model_name from the hub.
@@ -156,11 +229,12 @@ def run_gsm8k(
         dataset=task.display_name,
         mode=mode,
         wall_s=wall_s,
-        generate_s=lm.usage.generate_s or None,
-        generated_tokens=lm.usage.generated_tokens,
-        prompt_tokens=lm.usage.prompt_tokens if lm.usage.generated_tokens is not None else None,
+        generate_s=lm.record.generate_s or None,
+        generated_tokens=lm.record.generated_tokens,
+        prompt_tokens=lm.record.prompt_tokens if lm.record.generated_tokens is not None else None,
         base_url=root,
         model=model_name,
+        traces=lm.record.traces,
     )
 
 
@@ -236,8 +310,10 @@ def eval_run_from_lm_eval(
     prompt_tokens: int | None = None,
     base_url: str | None = None,
     model: str | None = None,
+    traces: dict[int, TokenTrace] | None = None,
 ) -> EvalRun:
-    """Turn simple_evaluate's result dict (run with log_samples=True) into an EvalRun for `task_name`."""
+    """Turn simple_evaluate's result dict (run with log_samples=True) into an EvalRun for `task_name`; `traces`
+    (doc id -> TokenTrace) go to their samples."""
     results = output.get("results", {})
     if task_name not in results:
         raise ValueError(f"lm-eval output has no results for task {task_name!r} (has {sorted(results)})")
@@ -268,6 +344,7 @@ def eval_run_from_lm_eval(
                 target=str(s.get("target", "")),
                 generated=str(resps[0][0]) if resps and resps[0] else "",
                 prompt_hash=s.get("prompt_hash"),
+                trace=(traces or {}).get(doc_id),
             )
             by_doc[doc_id] = sample
         filt = s.get("filter", "none")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from evals.traces import TokenTrace
+
 
 @dataclass
 class Metric:
@@ -26,6 +28,7 @@ class SampleResult:
     extracted: dict[str, str] = field(default_factory=dict)  # filter -> extracted answer ("[invalid]": none)
     correct: dict[str, bool] = field(default_factory=dict)  # filter -> exact_match == 1
     prompt_hash: str | None = None
+    trace: TokenTrace | None = None  # the generated tokens and their logprobs, when the server returned them
 
     @property
     def gold(self) -> str:
@@ -51,6 +54,7 @@ class EvalRun:
     prompt_tokens: int | None = None
     base_url: str | None = None
     model: str | None = None
+    dtype: str | None = None  # the plan's resolved model dtype (None: an endpoint, unknown)
     error: str | None = None
 
     @property
@@ -90,5 +94,8 @@ class EvalRun:
         d = dict(d)
         d.pop("tokens_per_s", None)
         d["metrics"] = {k: Metric(**m) for k, m in d.get("metrics", {}).items()}
-        d["samples"] = [SampleResult(**s) for s in d.get("samples", [])]
+        d["samples"] = [
+            SampleResult(**{**s, "trace": TokenTrace.from_dict(s["trace"]) if s.get("trace") else None})
+            for s in d.get("samples", [])
+        ]
         return cls(**d)

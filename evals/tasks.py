@@ -12,6 +12,7 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -38,15 +39,17 @@ class TaskSpec:
     data_dir: Path | None = None  # None: lm-eval's own task, data from the HF hub
     yaml_path: Path | None = None
     synthetic: bool = False
+    fixed_fewshot: bool = False  # every question gets the same few-shot examples (the first of the train split)
 
     @property
     def display_name(self) -> str:
-        """The dataset name shown in tables: says where the data came from."""
+        """The dataset name shown in tables: says where the data came from (and when the shots are fixed)."""
+        shots = ", fixed shots" if self.fixed_fewshot else ""
         if self.synthetic:
-            return f"{self.base} format, SYNTHETIC data (not GSM8K)"
+            return f"{self.base} format, SYNTHETIC data (not GSM8K){shots}"
         if self.data_dir is not None:
-            return f"{self.base} (local data)"
-        return self.base
+            return f"{self.base} (local data{shots})"
+        return f"{self.base} (fixed shots)" if self.fixed_fewshot else self.base
 
     def task_manager(self):
         """A TaskManager that indexes only our folder (indexing all of lm-eval's tasks takes ~12 s)."""
@@ -105,38 +108,52 @@ def is_synthetic(data_dir: Path) -> bool:
         return False
 
 
-def gsm8k_task(data_dir: Path | None, work_dir: Path, name: str = "gsm8k") -> TaskSpec:
-    """Task spec for gsm8k (or gsm8k_cot); with `data_dir`, a local YAML written into `work_dir`."""
+def gsm8k_task(data_dir: Path | None, work_dir: Path, name: str = "gsm8k", *, fixed_fewshot: bool = False) -> TaskSpec:
+    """Task spec for gsm8k (or gsm8k_cot); with `data_dir` or `fixed_fewshot`, a local YAML written into `work_dir`.
+
+    `fixed_fewshot` gives every gsm8k question the first train examples as its shots (lm-eval's first_n sampler)
+    instead of a random draw per question: the prompts then share one long prefix, which a server's prefix cache
+    computes once. gsm8k_cot's exemplars are fixed already.
+    """
     if name not in _BASE_YAMLS:
         raise UserError(f"unknown eval task {name!r}; supported tasks: {', '.join(SUPPORTED_TASKS)}")
     tasks_dir = lm_eval_tasks_dir()
     base_yaml = tasks_dir / _BASE_YAMLS[name]
     if not base_yaml.is_file():
         raise UserError(f"lm-eval's {base_yaml} is missing; reinstall lm-eval==0.4.13")
-    if data_dir is None:
+    fixed_fewshot = fixed_fewshot and name == "gsm8k"
+    if data_dir is None and not fixed_fewshot:
         return TaskSpec(name=name, base=name, include_path=tasks_dir)
 
-    data_dir = Path(data_dir).expanduser().resolve()
-    validate_data_dir(data_dir)
-    synthetic = is_synthetic(data_dir)
-    task_name = f"{name}_synthetic" if synthetic else f"{name}_local"
     # include: merges the base YAML shallowly and our keys win, so dataset_kwargs is given whole.
-    cfg = {
+    cfg: dict[str, Any] = {
         "include": str(base_yaml),
-        "task": task_name,
         "tag": [],  # don't register under the base task's tags (math_word_problems, chain_of_thought)
-        "dataset_path": "json",
-        "dataset_name": None,
-        "dataset_kwargs": {
-            "data_files": {split: str(data_dir / f"{split}.jsonl") for split in ("test", "train")},
-            # Keep the datasets arrow cache with the run rather than in ~/.cache.
-            "cache_dir": str(Path(work_dir).resolve() / "hf_datasets"),
-        },
-        "test_split": "test",
     }
-    if name == "gsm8k":
-        cfg["training_split"] = "train"
-        cfg["fewshot_split"] = "train"
+    synthetic = False
+    task_name = name
+    if data_dir is not None:
+        data_dir = Path(data_dir).expanduser().resolve()
+        validate_data_dir(data_dir)
+        synthetic = is_synthetic(data_dir)
+        task_name = f"{name}_synthetic" if synthetic else f"{name}_local"
+        cfg |= {
+            "dataset_path": "json",
+            "dataset_name": None,
+            "dataset_kwargs": {
+                "data_files": {split: str(data_dir / f"{split}.jsonl") for split in ("test", "train")},
+                # Keep the datasets arrow cache with the run rather than in ~/.cache.
+                "cache_dir": str(Path(work_dir).resolve() / "hf_datasets"),
+            },
+            "test_split": "test",
+        }
+        if name == "gsm8k":
+            cfg["training_split"] = "train"
+            cfg["fewshot_split"] = "train"
+    if fixed_fewshot:
+        task_name = f"{task_name}_fixedshot"
+        cfg["fewshot_config"] = {"sampler": "first_n"}
+    cfg = {"include": cfg.pop("include"), "task": task_name, **cfg}
     # A folder of its own: TaskManager indexes every YAML under include_path.
     task_dir = Path(work_dir) / "lm_eval_tasks"
     yaml_path = task_dir / f"{task_name}.yaml"
@@ -148,6 +165,7 @@ def gsm8k_task(data_dir: Path | None, work_dir: Path, name: str = "gsm8k") -> Ta
         data_dir=data_dir,
         yaml_path=yaml_path.resolve(),
         synthetic=synthetic,
+        fixed_fewshot=fixed_fewshot,
     )
 
 
@@ -171,9 +189,9 @@ def hub_reachable(timeout_s: float = 3.0) -> bool:
         return False
 
 
-def prepare_task(name: str, data_dir: Path | None, work_dir: Path) -> TaskSpec:
+def prepare_task(name: str, data_dir: Path | None, work_dir: Path, *, fixed_fewshot: bool = False) -> TaskSpec:
     """The task spec, with its dataset loaded once so that data problems surface before any launch."""
-    spec = gsm8k_task(data_dir, work_dir, name=name)
+    spec = gsm8k_task(data_dir, work_dir, name=name, fixed_fewshot=fixed_fewshot)
     if spec.data_dir is None and not hub_reachable():
         offline = any(os.environ.get(v) for v in _OFFLINE_VARS)
         if not offline:

@@ -121,6 +121,8 @@ def test_unknown_task_and_bad_options_fail_before_launch(tmp_path, tiny_llama):
     assert code == 1 and "does not exist" in text
     code, _ = invoke("gsm8k", plan, "--num-concurrent", "0")
     assert code == 2
+    code, text = invoke("gsm8k", plan, "--max-gen-toks", "0", "--data-dir", data)
+    assert code == 1 and "--max-gen-toks must be at least 1 (got 0)" in text
     assert not any((tmp_path / o).exists() for o in ("o1", "o2"))
 
 
@@ -175,6 +177,86 @@ def test_server_that_exits_fails_fast_with_its_error(tmp_path):
         pass
     assert time.perf_counter() - t0 < 60
     assert not server.alive()
+
+
+def test_library_output_goes_to_the_run_log_with_bars_collapsed(tmp_path, capsys):
+    import logging
+    import sys
+
+    from evals.runlog import library_output_to
+
+    log = tmp_path / "out" / "run.log"
+    lm_eval_logger = logging.getLogger("lm_eval")
+    before = list(lm_eval_logger.handlers)
+    with library_output_to(log):
+        logging.getLogger("lm_eval.models").info("Using max length 2048")
+        logging.getLogger("transformers").warning("a transformers warning")
+        for k in range(1, 4):  # what tqdm writes: carriage-return updates, then a newline
+            sys.stderr.write(f"\rRequesting API: {k}/3")
+        sys.stderr.write("\n")
+        sys.stderr.write("half a line")
+    assert capsys.readouterr().err == ""  # nothing reached the terminal
+    lines = log.read_text().splitlines()
+    assert any(line.endswith("INFO lm_eval.models: Using max length 2048") for line in lines)
+    assert any(line.endswith("WARNING transformers: a transformers warning") for line in lines)
+    assert "Requesting API: 3/3" in lines and not any("1/3" in line for line in lines)
+    assert lines[-1] == "half a line"
+    assert lm_eval_logger.handlers == before  # restored
+
+
+def test_quiet_run_writes_no_log(tmp_path):
+    from evals.runlog import library_output_to
+
+    with library_output_to(tmp_path / "out" / "run.log"):
+        pass
+    assert not (tmp_path / "out").exists()
+
+
+def _drive(feed) -> None:
+    line = feed.target("tp1", total=0)
+    line.status("launching")
+    line.status("evaluating 3 questions")
+    line.expect(3)
+    line.throughput(42.0)
+    for _ in range(3):
+        line.advance()
+    line.finish("done, 3 questions")
+    feed.target("dcp2", total=3).finish("the server exited with code 1", failed=True)
+
+
+def test_progress_on_a_terminal_is_one_bar_per_target():
+    import io
+
+    from rich.console import Console
+
+    from dcpctl.render import ProgressFeed
+
+    console = Console(file=io.StringIO(), force_terminal=True, width=120)
+    with ProgressFeed(console) as feed:
+        _drive(feed)
+    text = console.file.getvalue()
+    assert "tp1: done, 3 questions" in text and "3/3" in text and "42.0 tok/s" in text
+    assert "dcp2: FAILED" in text and "exited with code 1" in text
+
+
+def test_progress_in_a_log_is_plain_lines(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from dcpctl import render
+
+    monkeypatch.setattr(render, "PLAIN_PROGRESS_EVERY_S", 0.0)
+    console = Console(file=io.StringIO(), width=120)
+    with render.ProgressFeed(console) as feed:
+        _drive(feed)
+    lines = console.file.getvalue().splitlines()
+    assert lines[:3] == ["tp1: launching", "tp1: evaluating 3 questions", "tp1: 1/3 done, 42.0 tok/s, 0:00:00"]
+    assert (
+        lines[5].startswith("tp1: done, 3 questions (0:00:0")
+        and lines[6] == "dcp2: FAILED — the server exited with code 1"
+    )
+    assert not any("\r" in line or "\x1b" in line for line in lines)
 
 
 # --- slow: real `dcpctl run` servers on a tiny checkpoint, real lm-eval --------------------------------------
@@ -320,3 +402,78 @@ def test_url_target_in_chat_mode_against_real_server(tmp_path, tiny_llama):
     assert col["label"] == server.base_url and col["mode"] == "chat" and col["n_samples"] == 2
     assert not col["failed"] and col["generated_tokens"] > 0
     assert server.returncode == 0  # SIGINT stopped it cleanly
+
+
+# --- slow: a tie flip and a real divergence, forced through the checkpoints ----------------------------------
+
+
+def _with_lm_head(model: Path, out: Path, edit) -> Path:
+    """A copy of `model` whose lm_head weight is edited in place by `edit(weight)`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out)
+    weights = load_file(model / "model.safetensors")
+    edit(weights["lm_head.weight"])
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.slow
+def test_tie_flip_and_wrong_plan_are_told_apart_and_strict_fails_on_the_wrong_one(tmp_path, tiny_llama):
+    """Token B's lm_head row is token A's scaled by 1 -/+ 1e-5 in the baseline/flip checkpoints: where A is the
+    greedy choice the two are a near-tie broken oppositely (a tie flip, by construction). The wrong checkpoint
+    negates both rows, so neither can be chosen there (a real divergence)."""
+    from evals.divergence import TIE_FLIP, TIE_MARGINS, UNEXPLAINED
+
+    data = str(write_gsm8k(tmp_path / "data"))
+    common = ["--data-dir", data, "--limit", "2", "--num-fewshot", "1", "--max-gen-toks", "6"]
+    orig = write_plan(tmp_path, tiny_llama, name="orig.yaml")
+    code, text = invoke("gsm8k", str(orig), *common, "--output", str(tmp_path / "probe"))
+    assert code == 0, text
+    probe = json.loads((tmp_path / "probe" / "orig" / evaluate.RUN_FILE).read_text())["run"]["samples"][0]["trace"]
+    a = probe["ids"][0]  # the baseline's first generated token of doc 0
+    assert all(probe["logprobs"][0] - lp > 100 * TIE_MARGINS["float32"] for _, lp in probe["rivals"][0])
+    b = max(set(range(512)) - {a} - {i for i, _ in probe["rivals"][0]})
+
+    def near(scale: float):
+        def edit(w):
+            w[b] = w[a] * scale
+
+        return edit
+
+    def negated(w):
+        w[b] = -w[a] * (1 - 1e-5)
+        w[a] = -w[a]
+
+    plans = {
+        name: write_plan(tmp_path, _with_lm_head(tiny_llama, tmp_path / f"m_{name}", edit), name=f"{name}.yaml")
+        for name, edit in (("base", near(1 - 1e-5)), ("flip", near(1 + 1e-5)), ("wrong", negated))
+    }
+    out = tmp_path / "out"
+    code, text = invoke("gsm8k", *map(str, plans.values()), *common, "--output", str(out), "--strict")
+    assert code == 1, text
+    assert "unexplained divergence" in text and "wrong vs base, doc 0" in text
+    assert "unexplained divergences from the baseline (wrong: " in text and "--strict fails" in text
+
+    cmp = json.loads((out / "comparison.json").read_text())
+    _, flip, wrong = cmp["columns"]
+    flips = {d["doc_id"]: d["divergence"] for d in flip["disagreements"]}
+    assert flips and all(d["kind"] == TIE_FLIP for d in flips.values()) and flip["unexplained_divergences"] == 0
+    assert flips[0]["position"] == 0 and {flips[0]["baseline_token"], flips[0]["plan_token"]} == {a, b}
+    assert (
+        0 <= flips[0]["baseline_gap"] <= TIE_MARGINS["float32"] and 0 <= flips[0]["plan_gap"] <= TIE_MARGINS["float32"]
+    )
+    wrongs = {d["doc_id"]: d["divergence"] for d in wrong["disagreements"]}
+    assert wrongs[0]["kind"] == UNEXPLAINED and wrongs[0]["position"] == 0 and wrong["tie_flips"] == 0
+    assert wrongs[0]["plan_token"] not in (a, b) and wrongs[0]["plan_gap"] > 1.0
+    md = (out / "comparison.md").read_text()
+    assert "flip vs base" in md and "| tie flip |" in md and "**unexplained**" in md
+
+    # The tie flip alone passes --strict (both plans reused from the run above).
+    code, text = invoke(
+        "gsm8k", str(plans["base"]), str(plans["flip"]), *common, "--output", str(out), "--resume", "--strict"
+    )
+    assert code == 0, text
+    assert text.count("reused") >= 2 and "unexplained divergence " not in text

@@ -31,7 +31,7 @@ def run(label: str, samples: list[SampleResult], **kw) -> EvalRun:
     for f in FILTERS:
         acc = sum(s.correct[f] for s in samples) / n
         metrics[f] = Metric("exact_match", acc, (acc * (1 - acc) / max(n - 1, 1)) ** 0.5)
-    defaults = dict(task="gsm8k_local", dataset="gsm8k", version="3.0", n_shot=5, wall_s=10.0)
+    defaults = dict(task="gsm8k_local", dataset="gsm8k", version="3.0", n_shot=5, wall_s=10.0, dtype="float32")
     return EvalRun(label=label, metrics=metrics, samples=samples, **(defaults | kw))
 
 

@@ -87,7 +87,9 @@ def test_write_report_files(tmp_path: Path) -> None:
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
 
     md = (out / "comparison.md").read_text()
-    table_lines = [line for line in md.splitlines() if line.startswith("|")]
+    lines = md.splitlines()
+    first = lines.index(next(line for line in lines if line.startswith("|")))
+    table_lines = lines[first : lines.index("", first)]  # the comparison grid (disagreement tables follow)
     header_cells = [c.strip() for c in table_lines[0].strip("|").split("|")]
     assert header_cells == [
         "Dataset",
@@ -99,7 +101,7 @@ def test_write_report_files(tmp_path: Path) -> None:
     ]
     cells = [re.split(r"(?<!\\)\|", line)[1:-1] for line in table_lines]  # unescaped pipes
     assert all(len(row) == len(header_cells) for row in cells)
-    assert len(table_lines) == 2 + 2 + 2 + 2 + 4  # header, rule, acc x2, delta x2, agreement x2, 4 more
+    assert len(table_lines) == 2 + 2 + 2 + 2 + 6  # header, rule, acc x2, delta x2, agreement x2, 6 more
     assert "## Failed plans" in md and "doc 1" in md
 
     samples = (out / "plans_tp2_dcp2.yaml" / "samples.jsonl").read_text().splitlines()

@@ -17,6 +17,7 @@ from evals.endpoint import check_server, normalize_base_url
 from evals.lm_eval_runner import eval_run_from_lm_eval, run_gsm8k
 from evals.synthetic import write_synthetic_gsm8k
 from evals.tasks import TaskSpec, gsm8k_task
+from evals.traces import TOP_LOGPROBS, chat_trace_request, completions_trace_request
 
 
 class FakeServer:
@@ -57,6 +58,9 @@ class FakeServer:
                     choices = [
                         {"index": i, "text": outer.reply(p), "finish_reason": "stop"} for i, p in enumerate(prompts)
                     ]
+                    if body.get("logprobs") and body.get("return_tokens_as_token_ids"):
+                        for choice, p in zip(choices, prompts, strict=True):
+                            choice["logprobs"] = outer.logprobs(p, choice["text"])
                 elif self.path == "/v1/chat/completions":
                     text = outer.reply(body["messages"][-1]["content"])
                     choices = [
@@ -81,9 +85,28 @@ class FakeServer:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
 
+    @staticmethod
+    def question(prompt: str) -> str:
+        return prompt.split("Question: ")[-1].split("\nAnswer:")[0]
+
     def reply(self, prompt: str) -> str:
-        question = prompt.split("Question: ")[-1].split("\nAnswer:")[0]
-        return self.answers.get(question, " I do not know.")
+        return self.answers.get(self.question(prompt), " I do not know.")
+
+    @staticmethod
+    def token_ids(question: str) -> list[int]:
+        """Made-up generated token ids that tell the questions apart."""
+        return [len(question), sum(map(ord, question)) % 1000]
+
+    def logprobs(self, prompt: str, text: str) -> dict[str, Any]:
+        """A completions logprobs object with token-id names for this prompt's made-up tokens."""
+        ids = self.token_ids(self.question(prompt))
+        names = [f"token_id:{i}" for i in ids]
+        return {
+            "tokens": names,
+            "token_logprobs": [-0.5, -0.25],
+            "top_logprobs": [{names[0]: -0.5, "token_id:1": -0.9}, {names[1]: -0.25}],
+            "text_offset": [0, len(text) // 2],
+        }
 
     def close(self) -> None:
         self.server.shutdown()
@@ -273,13 +296,38 @@ def test_run_gsm8k_completions_against_fake_server(tmp_path: Path) -> None:
     assert path == "/v1/completions"
     assert isinstance(body["prompt"], str) and body["prompt"].endswith("\nAnswer:")
     assert body["prompt"].count("Question: ") == 3  # 2 few-shot + the question
-    assert set(body) == {"prompt", "model", "max_tokens", "temperature", "stop", "seed"}
+    assert set(body) == {"prompt", "model", "max_tokens", "temperature", "stop", "seed", *completions_trace_request()}
     assert body["model"] == "tiny" and body["max_tokens"] == 40
     assert body["temperature"] == 0.0 and body["seed"] == 1234
     assert body["stop"] == ["Question:", "</s>", "<|im_end|>"]
-    assert "logprobs" not in body and "echo" not in body
+    assert body["logprobs"] == TOP_LOGPROBS and body["return_tokens_as_token_ids"] is True and "echo" not in body
     assert (tmp_path / "raw" / "lm_eval_results.json").is_file()
     assert len((tmp_path / "raw" / "lm_eval_samples.jsonl").read_text().splitlines()) == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_concurrent", [1, 3])  # lm-eval's sync path, and its async one
+def test_traces_and_progress_follow_each_question(tmp_path: Path, num_concurrent: int) -> None:
+    spec, rows = _synthetic(tmp_path)
+    server = FakeServer({})
+    answers: list[tuple[int, int, int]] = []
+    try:
+        run = run_gsm8k(
+            server.url,
+            None,
+            spec,
+            limit=4,
+            num_fewshot=1,
+            num_concurrent=num_concurrent,
+            on_answer=lambda *a: answers.append(a),
+        )
+    finally:
+        server.close()
+    for s in run.samples:
+        assert s.trace is not None and s.trace.ids == FakeServer.token_ids(rows[s.doc_id]["question"])
+        assert s.trace.rivals[0] == [(1, -0.9)] and s.trace.pieces[0] == s.generated[: len(s.generated) // 2]
+    assert answers[0] == (0, 4, 0) and answers[-1] == (4, 4, 4 * 7)  # asked, then one per answer
+    assert [done for done, _, _ in answers] == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.slow
@@ -297,8 +345,9 @@ def test_run_gsm8k_chat_and_missing_usage(tmp_path: Path) -> None:
     assert path == "/v1/chat/completions"
     assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user", "assistant", "user"]
     assert body["messages"][-1]["content"].startswith("Question: ")
-    assert set(body) == {"messages", "model", "max_tokens", "temperature", "stop", "seed"}
+    assert set(body) == {"messages", "model", "max_tokens", "temperature", "stop", "seed", *chat_trace_request()}
     assert body["stop"] == ["Question:", "</s>", "<|im_end|>"] and body["max_tokens"] == 256
+    assert body["logprobs"] is True and body["top_logprobs"] == TOP_LOGPROBS
 
 
 @pytest.mark.slow

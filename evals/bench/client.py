@@ -147,8 +147,10 @@ async def run_requests_async(
     ignore_eos: bool = True,
     on_done: Callable[[RequestRecord], None] | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    extra_fields: dict[str, Any] | None = None,
 ) -> RunResult:
-    """Send every prompt once; at most `concurrency` in flight (None: no limit), sent at `arrival_times`."""
+    """Send every prompt once; at most `concurrency` in flight (None: no limit), sent at `arrival_times`.
+    `extra_fields` go into every request body (e.g. logprobs)."""
     url = f"{base_url.rstrip('/')}/v1/completions"
     limit = concurrency or len(prompts)
     semaphore = asyncio.Semaphore(limit)
@@ -166,7 +168,8 @@ async def run_requests_async(
         if delay > 0:
             await asyncio.sleep(delay)
         async with semaphore:
-            await _one(client, url, completion_body(model, prompt, output_len, ignore_eos), rec, clock)
+            body = completion_body(model, prompt, output_len, ignore_eos) | (extra_fields or {})
+            await _one(client, url, body, rec, clock)
         if on_done is not None:
             on_done(rec)
 
