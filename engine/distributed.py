@@ -2,8 +2,10 @@
 
 One module-level `ParallelContext` (set once per process by `init_parallel`) tells the layers
 their TP and DCP groups; model code stays free of rank arithmetic. With a world of one every
-collective is skipped. CPU: gloo for everything. CUDA: NCCL for tensors plus a gloo group for
-host metadata (the per-step plans rank 0 broadcasts).
+collective is skipped. CPU: gloo process groups; with `launch.cpu_comm` resolved to shm, the tensor
+collectives of every group go through a shared-memory segment instead (`engine.shm_comm`), and gloo
+carries the control messages. CUDA: NCCL for tensors plus a gloo group for host metadata (the per-step
+plans rank 0 broadcasts).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engine import shm_comm
+from engine.errors import UserError
 from engine.parallel_layout import ParallelLayout, RankRole
 
 # Collectives between ranks that compute: a dead or stuck rank surfaces as an error, not a hang.
@@ -36,6 +40,7 @@ class ParallelContext:
     dcp_group: dist.ProcessGroup | None = None
     query_group: dist.ProcessGroup | None = None
     control_group: dist.ProcessGroup | None = None  # gloo, all ranks: step plans
+    collectives: str = ""  # what carries the tensor collectives, for the start-up line
 
     @property
     def world_size(self) -> int:
@@ -77,6 +82,7 @@ class ParallelContext:
 
 
 _CONTEXT: ParallelContext | None = None
+_SHM: dict[dist.ProcessGroup, shm_comm.ShmGroup] = {}  # groups whose collectives go through shared memory
 
 
 def get_parallel() -> ParallelContext:
@@ -107,8 +113,14 @@ def _groups(layout_groups: list[list[int]], rank: int, backend: str, timeout: da
     return mine if size > 1 else None
 
 
-def init_parallel(layout: ParallelLayout, device_type: str, dist_backend: str) -> ParallelContext:
-    """Join the torchrun world (env:// rendezvous) and build the layout's groups for this rank."""
+def init_parallel(
+    layout: ParallelLayout, device_type: str, dist_backend: str, cpu_comm: str = "gloo", cpu_comm_strict: bool = False
+) -> ParallelContext:
+    """Join the torchrun world (env:// rendezvous) and build the layout's groups for this rank.
+
+    `cpu_comm`: "shm" gives the groups shared-memory collectives (a CPU world on one node); where a group cannot
+    have them it keeps gloo with a reason in `collectives`, or, `cpu_comm_strict`, a UserError.
+    """
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -129,13 +141,41 @@ def init_parallel(layout: ParallelLayout, device_type: str, dist_backend: str) -
     context.control_group = dist.new_group(
         list(range(world)), backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S)
     )
+    groups = [context.tp_group, context.dcp_group, context.query_group]
+    context.collectives = backend
+    if backend == "gloo" and cpu_comm == "shm":
+        context.collectives = use_shared_memory(groups, cpu_comm_strict)
     set_parallel(context)
     return context
 
 
+def use_shared_memory(groups: list[dist.ProcessGroup | None], strict: bool) -> str:
+    """Give each group (collectively, in the same order on every rank) shared-memory collectives; say what carries
+    the collectives now. A group that cannot have them keeps gloo, or, `strict`, raises a UserError naming why."""
+    problems = []
+    for group in groups:
+        if group is None or group in _SHM:
+            continue
+        attached = shm_comm.attach(group, COLLECTIVE_TIMEOUT_S)
+        if isinstance(attached, str):
+            if strict:
+                raise UserError(f"launch.cpu_comm=shm: {attached}; set launch.cpu_comm=gloo (or auto)")
+            problems.append(attached)
+        else:
+            _SHM[group] = attached
+    if problems:
+        return f"gloo (shared memory unavailable: {problems[0]})"
+    return "shared memory (gloo for control messages)"
+
+
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum over the group in place (no-op for a one-rank group)."""
-    if group is not None:
+    if group is None:
+        return x
+    shm = _SHM.get(group)
+    if shm is not None:
+        shm.all_reduce(x)
+    else:
         dist.all_reduce(x, group=group)
     return x
 
@@ -144,6 +184,9 @@ def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
     """Concatenate every rank's `x` along dim 0, in group-rank order."""
     if group is None:
         return x
+    shm = _SHM.get(group)
+    if shm is not None:
+        return shm.all_gather_rows(x)
     size = dist.get_world_size(group)
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))
     dist.all_gather_into_tensor(out, x.contiguous(), group=group)
@@ -154,6 +197,9 @@ def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     """Sum over the group and keep this rank's dim-0 chunk."""
     if group is None:
         return x
+    shm = _SHM.get(group)
+    if shm is not None:
+        return shm.reduce_scatter_rows(x)
     size = dist.get_world_size(group)
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
     dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
@@ -164,6 +210,9 @@ def gather_to_first(x: torch.Tensor, group: dist.ProcessGroup | None) -> list[to
     """Every rank's `x` on the group's first rank (None elsewhere)."""
     if group is None:
         return [x]
+    shm = _SHM.get(group)
+    if shm is not None:
+        return shm.gather_to_first(x)
     first = dist.get_global_rank(group, 0)
     if dist.get_rank() == first:
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
@@ -171,6 +220,19 @@ def gather_to_first(x: torch.Tensor, group: dist.ProcessGroup | None) -> list[to
         return parts
     dist.gather(x.contiguous(), None, dst=first, group=group)
     return None
+
+
+def all_to_all_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """`all_to_all_single` with equal splits: dim-0 chunk j of `x` goes to group rank j, and chunk j of the
+    result came from group rank j (dim 0 must divide by the group size)."""
+    if group is None:
+        return x
+    shm = _SHM.get(group)
+    if shm is not None:
+        return shm.all_to_all_rows(x)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dist.all_to_all_single(out, x.contiguous(), group=group)
+    return out
 
 
 def broadcast_object(obj: object, group: dist.ProcessGroup | None) -> object:
