@@ -373,12 +373,14 @@ def table(best: dict, dtypes: list[str], batches: list[int], systems: list[str])
     """The markdown table: tok/s per system, dcpctl / vLLM and dcpctl / HF."""
 
     def cell(system: str, dtype: str, batch: int) -> str:
+        if system not in systems:
+            return "-"
         value = best.get((system, dtype, batch))
-        return f"{value:.1f}" if value else ("-" if system not in systems else "failed")
+        return f"{value:.1f}" if value else "failed"
 
     def ratio(other: str, dtype: str, batch: int) -> str:
         ours, theirs = best.get(("dcpctl", dtype, batch)), best.get((other, dtype, batch))
-        return f"{ours / theirs:.2f}x" if ours and theirs else "-"
+        return f"{ours / theirs:.2f}x" if ours and theirs and other in systems else "-"
 
     lines = [
         "| dtype | batch | dcpctl tok/s | vLLM-CPU tok/s | HF tok/s | dcpctl / vLLM | dcpctl / HF |",
