@@ -42,6 +42,7 @@ def report_to_dict(report: PlanReport) -> dict:
             "max_model_len": report.max_model_len,
             "model_path": str(report.model_path) if report.model_path else None,
             "cpu_paths": report.cpu_paths.describe() if report.cpu_paths else None,
+            "cpu_comm": report.cpu_comm or None,
         }
         data["config"] = plan_to_dict(report.plan)
     if report.layout is not None:
@@ -77,6 +78,20 @@ def validate(
     raise typer.Exit(0 if all(r.valid for r in reports) else 1)
 
 
+def collectives_line(report: PlanReport) -> str:
+    """What carries the tensor collectives between the plan's ranks (the start-up line says what did)."""
+    launch = report.plan.launch
+    if report.world_size == 1:
+        return "collectives: none (one rank)"
+    if report.device != "cpu":
+        return f"collectives: {launch.dist_backend if launch.dist_backend != 'auto' else 'nccl'} (gloo for step plans)"
+    if report.cpu_comm == "shm":
+        where = f"every rank on this node (launch.cpu_comm={launch.cpu_comm})"
+        return f"collectives: shared memory, {where}; gloo for step plans"
+    why = f"launch.nnodes={launch.nnodes}" if launch.nnodes > 1 else f"launch.cpu_comm={launch.cpu_comm}"
+    return f"collectives: gloo ({why})"
+
+
 def ownership_picture(length: int, block_size: int, interleave: int, dcp_size: int) -> Text:
     """Positions 0..length-1 coloured by owning DCP rank; '|' marks a virtual block boundary."""
     span = dcp.tokens_per_virtual_block(block_size, dcp_size)
@@ -105,6 +120,7 @@ def _render_show(console: Console, report: PlanReport, positions: int) -> None:
     )
     if report.cpu_paths is not None:
         console.print(report.cpu_paths.describe())
+    console.print(collectives_line(report))
     layout = report.layout
     if layout is not None:
         dcp_kind = {

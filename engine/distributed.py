@@ -153,10 +153,15 @@ def use_shared_memory(groups: list[dist.ProcessGroup | None], strict: bool) -> s
     """Give each group (collectively, in the same order on every rank) shared-memory collectives; say what carries
     the collectives now. A group that cannot have them keeps gloo, or, `strict`, raises a UserError naming why."""
     problems = []
+    by_ranks: dict[tuple[int, ...], shm_comm.ShmGroup | str] = {}
     for group in groups:
         if group is None or group in _SHM:
             continue
-        attached = shm_comm.attach(group, COLLECTIVE_TIMEOUT_S)
+        # groups of the same ranks share a segment: every rank issues their collectives in the same order
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if ranks not in by_ranks:
+            by_ranks[ranks] = shm_comm.attach(group, COLLECTIVE_TIMEOUT_S)
+        attached = by_ranks[ranks]
         if isinstance(attached, str):
             if strict:
                 raise UserError(f"launch.cpu_comm=shm: {attached}; set launch.cpu_comm=gloo (or auto)")

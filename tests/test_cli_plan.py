@@ -66,6 +66,9 @@ def test_show_draws_ranks_and_ownership(make_plan, tmp_path):
     assert "virtual block = 8 tokens" in " ".join(result.output.split())
     # interleave 2 over dcp 2: 0011 repeating; '|' after each 8-token virtual block
     assert "00110011|00110011" in result.output.replace(" ", "")
+    assert "collectives: shared memory, every rank on this node (launch.cpu_comm=auto)" in result.output
+    result = runner.invoke(app, ["plan", "show", str(path), "launch.cpu_comm=gloo"])
+    assert "collectives: gloo (launch.cpu_comm=gloo)" in result.output
 
 
 def test_show_block_interleave(make_plan, tmp_path):

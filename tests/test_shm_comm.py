@@ -212,3 +212,34 @@ def _peer_stalls(rank: int, world: int, failures: list[str], timeout_s: float) -
 def test_a_stalled_peer_times_out(tmp_path):
     failures = run_world(tmp_path, 2, _peer_stalls, timeout_s=1.0)
     assert failures == {0: [], 1: []}
+
+
+def _fallbacks(rank: int, world: int, failures: list[str], timeout_s: float) -> None:
+    """Where a group cannot have shared memory, every rank of it keeps gloo (auto) or raises (strict)."""
+    from engine.errors import UserError
+
+    if rank == 1:  # one rank cannot map the segment: its peer must learn it too
+        distributed.shm_comm._map = lambda *_: (None, "rank 1 cannot map it (simulated)")
+    group = dist.new_group([0, 1], backend="gloo")
+    said = distributed.use_shared_memory([group], strict=False)
+    want = "rank 1 cannot map it (simulated)" if rank == 1 else "1 rank(s) of the group could not use shared memory"
+    if said != f"gloo (shared memory unavailable: {want})":
+        failures.append(f"auto: {said}")
+    x = torch.full((3,), float(rank + 1))
+    if not torch.equal(distributed.all_reduce(x, group), torch.full((3,), 3.0)):
+        failures.append(f"gloo fallback sums {x}")
+    distributed.shm_comm.SHM_DIR = Path("/nonexistent/shm")
+    try:
+        distributed.use_shared_memory([dist.new_group([0, 1], backend="gloo")], strict=True)
+        failures.append("strict: no error")
+    except UserError as exc:
+        if (
+            str(exc)
+            != "launch.cpu_comm=shm: /nonexistent/shm does not exist on this system; set launch.cpu_comm=gloo (or auto)"
+        ):
+            failures.append(f"strict: {exc}")
+
+
+def test_groups_without_shared_memory_keep_gloo_or_fail_clearly(tmp_path):
+    failures = run_world(tmp_path, 2, _fallbacks)
+    assert failures == {0: [], 1: []}

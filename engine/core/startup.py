@@ -61,7 +61,7 @@ def start_rank(report: PlanReport) -> tuple[EngineConfig, ParallelContext, Model
     if layout.world_size == 1 and "RANK" not in os.environ:
         par = init_single(layout, device)
     else:
-        par = init_parallel(layout, config.device, config.dist_backend)
+        par = init_parallel(layout, config.device, config.dist_backend, config.cpu_comm, config.cpu_comm_strict)
     _set_threads(config)
     if device.type == "cpu":
         reuse_freed_memory()
@@ -89,6 +89,8 @@ def start_rank(report: PlanReport) -> tuple[EngineConfig, ParallelContext, Model
     _write_rank_stats(par, runner)
     if runner.cpu_paths and par.is_driver:
         print(f"dcpctl: {runner.cpu_paths}", file=sys.stderr, flush=True)
+    if par.collectives and par.is_driver:
+        print(f"dcpctl: collectives: {par.collectives}", file=sys.stderr, flush=True)
     return config, par, runner
 
 

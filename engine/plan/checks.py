@@ -22,7 +22,7 @@ from engine.parallel_layout import ParallelLayout, divisors, layout_problems
 from engine.plan.kv_sizing import format_bytes, kv_sizing, parse_memory
 from engine.plan.loader import LoadedPlan, PlanLoadError, load_plan
 from engine.plan.report import PlanReport, model_not_found
-from engine.plan.schema import ATTENTION_BACKENDS, DEVICES, DIST_BACKENDS, DTYPES, Plan
+from engine.plan.schema import ATTENTION_BACKENDS, CPU_COMMS, DEVICES, DIST_BACKENDS, DTYPES, Plan
 
 MAX_WORLD_SIZE = 65536  # ranks of one plan; far beyond any deployment, so a larger one is a typo
 
@@ -58,6 +58,7 @@ def _check_static(report: PlanReport, plan: Plan) -> None:
     _choice(report, "attention.backend", plan.attention.backend, ATTENTION_BACKENDS)
     _choice(report, "launch.device", lch.device, DEVICES)
     _choice(report, "launch.dist_backend", lch.dist_backend, DIST_BACKENDS)
+    _choice(report, "launch.cpu_comm", lch.cpu_comm, CPU_COMMS)
     if s.max_num_seqs < 1:
         report.error("scheduler.max_num_seqs", f"scheduler.max_num_seqs={s.max_num_seqs} must be >= 1")
     if s.max_num_batched_tokens < 1:
@@ -180,6 +181,25 @@ def _resolve_cpu_paths(report: PlanReport) -> None:
         report.error(cpu_isa.ENV, str(exc))
         return
     report.cpu_paths = CpuPaths(isa, report.dtype, kernels_wanted(), report.backend)
+
+
+def _resolve_cpu_comm(report: PlanReport, plan: Plan) -> None:
+    """What carries a CPU plan's tensor collectives: shared memory when every rank is on this node, else gloo."""
+    lch = plan.launch
+    if lch.cpu_comm == "shm" and report.device == "cuda":
+        report.error(
+            "launch.cpu_comm",
+            "launch.cpu_comm=shm is for CPU ranks, but launch.device resolves to cuda here (NCCL carries the "
+            "tensors); set launch.cpu_comm=auto, or launch.device=cpu",
+        )
+    elif lch.cpu_comm == "shm" and lch.nnodes > 1:
+        report.error(
+            "launch.cpu_comm",
+            f"launch.cpu_comm=shm needs every rank on one node, but launch.nnodes={lch.nnodes}; "
+            "set launch.cpu_comm=auto (gloo between nodes) or launch.nnodes=1",
+        )
+    if report.device == "cpu":
+        report.cpu_comm = "shm" if lch.cpu_comm in ("auto", "shm") and lch.nnodes == 1 else "gloo"
 
 
 def _check_model(report: PlanReport, plan: Plan, info: ModelInfo) -> None:
@@ -315,6 +335,7 @@ def check_plan(loaded: LoadedPlan, strict: bool = False) -> PlanReport:
     _check_static(report, plan)
     _resolve_backend(report, plan)
     _resolve_cpu_paths(report)
+    _resolve_cpu_comm(report, plan)
     if info is not None:
         _check_kv(report, plan, info)
     _check_devices(report, plan)

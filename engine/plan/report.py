@@ -40,6 +40,7 @@ class PlanReport:
     max_model_len: int | None = None
     kv_budget_bytes: int | None = None
     cpu_paths: CpuPaths | None = None  # CPU plans: the ISA level and the kernels chosen from it
+    cpu_comm: str = ""  # CPU plans: "shm" or "gloo", what carries the tensor collectives between ranks
 
     @property
     def valid(self) -> bool:
