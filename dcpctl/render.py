@@ -74,8 +74,8 @@ def render_validation(console: Console, checks: list[PlanCheck]) -> None:
 def checked_targets(specs: list[str], overrides: list[str], console: Console) -> list[Target]:
     """The targets, after showing the plans' validation table; every problem printed and a UserError if any."""
     check = resolve_targets(specs, overrides)
-    if check.plans:
-        render_validation(console, check.plans)
+    if check.plan_checks:
+        render_validation(console, check.plan_checks)
     if check.problems:
         for p in check.problems:
             console.print(Text.assemble(("error ", "bold red"), p), soft_wrap=True)

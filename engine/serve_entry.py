@@ -1,7 +1,8 @@
 """`python -m engine.serve_entry PLAN [KEY=VALUE ...]`: serve a plan's OpenAI-compatible API.
 
-The engine's own entry point for serving, without the `dcpctl` command line: `dcpctl run PLAN` (no prompts) calls
-the same functions, and evals starts the plans it measures through it. Once healthy it prints
+The engine's own entry point for serving, without the `dcpctl` command line: `dcpctl run PLAN` calls the same
+functions (`launch_ranks` for its offline jobs of several ranks too), and evals starts the plans it measures through
+it. Once healthy it prints
 `serving NAME on http://HOST:PORT ...`; a user error prints `error: ...` and exits 1; SIGINT stops every rank
 (exit 0 for one rank, 130 when it interrupts torchrun); bad arguments exit 2.
 """

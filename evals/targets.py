@@ -43,7 +43,7 @@ class TargetCheck:
     """The targets, the plans' checks (for the validation table) and every problem that stops the run."""
 
     targets: list[Target] = field(default_factory=list)
-    plans: list[PlanCheck] = field(default_factory=list)
+    plan_checks: list[PlanCheck] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
 
@@ -60,12 +60,12 @@ def resolve_targets(specs: list[str], overrides: list[str]) -> TargetCheck:
                 root = spec
             check.targets.append(Target(spec=root, label=root))
             continue
-        plan = validate_plan_file(spec, overrides)
-        check.plans.append(plan)
-        if plan.valid and plan.resolved.missing_model:
-            check.problems.append(plan.resolved.missing_model)
-        check.problems += [f"plan {plan.name}: {e}" for e in plan.problems.errors]
-        check.targets.append(Target(spec=spec, label=plan.name, resolved=plan.resolved))
+        checked = validate_plan_file(spec, overrides)
+        check.plan_checks.append(checked)
+        if checked.valid and checked.resolved.missing_model:
+            check.problems.append(checked.resolved.missing_model)
+        check.problems += [f"plan {checked.name}: {e}" for e in checked.problems.errors]
+        check.targets.append(Target(spec=spec, label=checked.name, resolved=checked.resolved))
     labels = [t.label for t in check.targets]
     for t, label, name in zip(check.targets, unique_labels(labels), plan_dir_names(labels), strict=True):
         t.label, t.dir_name = label, name
