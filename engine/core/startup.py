@@ -25,7 +25,7 @@ from engine.distributed import ParallelContext, broadcast_object, init_parallel,
 from engine.errors import UserError
 from engine.io_utils import atomic_write_text
 from engine.plan.kv_sizing import kv_sizing
-from engine.plan.report import PlanReport
+from engine.plan.resolved import ResolvedPlan
 from engine.runtime.host_allocator import reuse_freed_memory
 from engine.runtime.model_runner import TORCH_DTYPES, CacheLayout, ModelRunner
 
@@ -51,11 +51,11 @@ def _num_blocks(config: EngineConfig, par: ParallelContext) -> int:
     return int(blocks.item())
 
 
-def start_rank(report: PlanReport) -> tuple[EngineConfig, ParallelContext, ModelRunner]:
+def start_rank(resolved: ResolvedPlan) -> tuple[EngineConfig, ParallelContext, ModelRunner]:
     """Join the plan's layout (torchrun world, or a single process) and build this rank's runner."""
     from transformers import AutoConfig
 
-    config = EngineConfig.from_report(report)
+    config = EngineConfig.from_plan(resolved)
     layout = config.layout
     device = torch.device("cuda" if config.device == "cuda" else "cpu")
     if layout.world_size == 1 and "RANK" not in os.environ:
@@ -111,7 +111,7 @@ def _write_rank_stats(par: ParallelContext, runner: ModelRunner) -> None:
     atomic_write_text(Path(folder) / f"rank{par.rank}.json", json.dumps(stats))
 
 
-def start_engine(report: PlanReport, shield_followers: bool = False) -> LLMEngine | None:
+def start_engine(resolved: ResolvedPlan, shield_followers: bool = False) -> LLMEngine | None:
     """Every rank's start: rank 0 gets its engine; any other rank follows rank 0's steps until rank 0 stops it,
     then gets None.
 
@@ -119,7 +119,7 @@ def start_engine(report: PlanReport, shield_followers: bool = False) -> LLMEngin
     tells them after its last step); a signal from torchrun must not kill a follower in the middle of a collective,
     which would leave rank 0 hanging.
     """
-    config, par, runner = start_rank(report)
+    config, par, runner = start_rank(resolved)
     if par.is_driver:
         return LLMEngine(config, par, runner)
     if shield_followers:
