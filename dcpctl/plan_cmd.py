@@ -82,20 +82,6 @@ def validate(
     raise typer.Exit(0 if all(c.valid for c in checks) else 1)
 
 
-def collectives_line(res: ResolvedPlan) -> str:
-    """What carries the tensor collectives between the plan's ranks (the start-up line says what did)."""
-    launch = res.plan.launch
-    if res.world_size == 1:
-        return "collectives: none (one rank)"
-    if res.device != "cpu":
-        return f"collectives: {launch.dist_backend if launch.dist_backend != 'auto' else 'nccl'} (gloo for step plans)"
-    if res.cpu_comm == "shm":
-        where = f"every rank on this node (launch.cpu_comm={launch.cpu_comm})"
-        return f"collectives: shared memory, {where}; gloo for step plans"
-    why = f"launch.nnodes={launch.nnodes}" if launch.nnodes > 1 else f"launch.cpu_comm={launch.cpu_comm}"
-    return f"collectives: gloo ({why})"
-
-
 def ownership_picture(length: int, block_size: int, interleave: int, dcp_size: int) -> Text:
     """Positions 0..length-1 coloured by owning DCP rank; '|' marks a virtual block boundary."""
     span = dcp.tokens_per_virtual_block(block_size, dcp_size)
@@ -124,7 +110,7 @@ def _render_show(console: Console, res: ResolvedPlan, positions: int) -> None:
     )
     if res.cpu_paths is not None:
         console.print(res.cpu_paths.describe())
-    console.print(collectives_line(res))
+    console.print(f"collectives: {res.collectives_transport}")
     layout = res.layout
     if layout is not None:
         dcp_kind = {

@@ -211,6 +211,18 @@ def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     return out
 
 
+def all_to_all_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Send dim-0 chunk i of `x` to group rank i; returns the chunks received, stacked in source-rank order."""
+    if group is None:
+        return x
+    shm = _SHM.get(group)
+    if shm is not None:
+        return shm.all_to_all_rows(x)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dist.all_to_all_single(out, x.contiguous(), group=group)
+    return out
+
+
 def gather_to_first(x: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor] | None:
     """Every rank's `x` on the group's first rank (None elsewhere)."""
     if group is None:
@@ -225,19 +237,6 @@ def gather_to_first(x: torch.Tensor, group: dist.ProcessGroup | None) -> list[to
         return parts
     dist.gather(x.contiguous(), None, dst=first, group=group)
     return None
-
-
-def all_to_all_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """`all_to_all_single` with equal splits: dim-0 chunk j of `x` goes to group rank j, and chunk j of the
-    result came from group rank j (dim 0 must divide by the group size)."""
-    if group is None:
-        return x
-    shm = _SHM.get(group)
-    if shm is not None:
-        return shm.all_to_all_rows(x)
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    dist.all_to_all_single(out, x.contiguous(), group=group)
-    return out
 
 
 def broadcast_object(obj: object, group: dist.ProcessGroup | None) -> object:

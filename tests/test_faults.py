@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -97,6 +98,8 @@ def test_killed_rank_ends_every_rank_with_the_root_cause(tmp_path, tiny_models):
     wait_for_ranks(proc, stats)
     ranks = workers(marker)
     assert set(ranks) == {0, 1}
+    # the survivor waits in a shared-memory collective (the default on one node), not in gloo
+    assert json.loads((stats / "rank0.json").read_text())["collectives"].startswith("shared memory")
     os.kill(ranks[1], signal.SIGKILL)
     code, err, took = finish(proc, timeout=30)
     assert code == 1 and took < 15

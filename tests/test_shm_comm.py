@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -22,6 +24,7 @@ import torch.multiprocessing as mp
 
 from engine import distributed
 from engine.runtime.launcher import free_port
+from tests.oracle import prompt_ids, read_jsonl, write_plan
 
 pytestmark = pytest.mark.multiproc
 
@@ -243,3 +246,32 @@ def _fallbacks(rank: int, world: int, failures: list[str], timeout_s: float) -> 
 def test_groups_without_shared_memory_keep_gloo_or_fail_clearly(tmp_path):
     failures = run_world(tmp_path, 2, _fallbacks)
     assert failures == {0: [], 1: []}
+
+
+def test_a_run_over_shared_memory_gives_the_bits_of_gloo(tmp_path, tiny_models):
+    """A real `dcpctl run` (MLA tp2/dcp2, chunked prefill): every group has two ranks, so every sum has one order
+    and the tokens and logprobs over shared memory equal gloo's exactly (bfloat16 and the other collectives are
+    compared op by op above)."""
+    folder = tiny_models("deepseek_v2")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompt_ids(4, [3, 31, 47, 100])))
+    settings = {
+        "parallel.tp": 2,
+        "parallel.dcp": 2,
+        "parallel.interleave": 2,
+        "scheduler.max_num_batched_tokens": 24,
+    }
+    runs = {}
+    for comm in ("gloo", "shm"):
+        plan = write_plan(tmp_path, folder, {**settings, "launch.cpu_comm": comm}, f"{comm}.yaml")
+        out = tmp_path / f"{comm}.jsonl"
+        cmd = [sys.executable, "-m", "dcpctl.cli", "run", str(plan), "--prompts-file", str(prompts)]
+        cmd += ["--max-tokens", "16", "--ignore-eos", "--logprobs", "1", "--output", str(out)]
+        stats = tmp_path / f"{comm}-stats"
+        env = dict(os.environ, DCPCTL_RANK_STATS_DIR=str(stats))
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        said = "shared memory (gloo for control messages)" if comm == "shm" else "gloo"
+        assert [json.loads(p.read_text())["collectives"] for p in sorted(stats.glob("rank*.json"))] == [said] * 2
+        runs[comm] = [(r["token_ids"], [lp["logprob"] for lp in r["logprobs"]]) for r in read_jsonl(out)]
+    assert runs["shm"] == runs["gloo"]

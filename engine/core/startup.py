@@ -95,7 +95,8 @@ def start_rank(resolved: ResolvedPlan) -> tuple[EngineConfig, ParallelContext, M
 
 
 def _write_rank_stats(par: ParallelContext, runner: ModelRunner) -> None:
-    """With DCPCTL_RANK_STATS_DIR set, each rank records its KV cache allocation (for tests and tooling)."""
+    """With DCPCTL_RANK_STATS_DIR set, each rank records its KV cache allocation and what carries its collectives
+    (for tests and tooling)."""
     folder = os.environ.get("DCPCTL_RANK_STATS_DIR")
     if not folder:
         return
@@ -107,6 +108,7 @@ def _write_rank_stats(par: ParallelContext, runner: ModelRunner) -> None:
         "kv_cache_bytes": runner.kv_cache_bytes,
         "kv_cache_shape": list(runner.kv_cache.shape),
         "num_blocks": runner.cache_layout.num_blocks,
+        "collectives": par.collectives,
     }
     atomic_write_text(Path(folder) / f"rank{par.rank}.json", json.dumps(stats))
 

@@ -64,6 +64,19 @@ class ResolvedPlan:
             return None
         return f"plan {self.name}: {model_not_found(self.model_path, self.plan.model.path)}"
 
+    @property
+    def collectives_transport(self) -> str:
+        """What carries the tensor collectives between the plan's ranks (the run's start-up line says what did)."""
+        launch = self.plan.launch
+        if self.world_size == 1:
+            return "none (one rank)"
+        if self.device != "cpu":
+            return f"{launch.dist_backend if launch.dist_backend != 'auto' else 'nccl'} (gloo for step plans)"
+        if self.cpu_comm == "shm":
+            return f"shared memory, every rank on this node (launch.cpu_comm={launch.cpu_comm}); gloo for step plans"
+        why = f"launch.nnodes={launch.nnodes}" if launch.nnodes > 1 else f"launch.cpu_comm={launch.cpu_comm}"
+        return f"gloo ({why})"
+
     def rank_overrides(self, overrides: list[str]) -> list[str]:
         """The overrides every rank loads the plan file with: the given ones, and a CPU plan's KV budget pinned in
         bytes (a fraction of free RAM differs from rank to rank; every rank must size the same cache)."""
