@@ -2,11 +2,13 @@
 # Shared memory vs gloo for the CPU collectives, end to end in `dcpctl bench`, on two plans of two ranks:
 #   smollm2_tp1_dcp2_i16  SmolLM2-135M-Instruct, replica layout (plans/cpu/smollm2_tp1_dcp2_i16.yaml): per layer the
 #                         DCP combine's LSE all-gather and reduce-scatter, per step the logits gather
-#   llama_tp2_dcp2_i16    a random Llama of SmolLM2's size with 8 heads / 1 KV head (`dcpctl model tiny`), tp2 with
-#                         DCP inside the TP group: per layer two TP all-reduces, the query all-gather and the combine
+#   llama_tp2_dcp2_i16    a random Llama of SmolLM2's size with 8 heads / 1 KV head (`dcpctl model tiny`, with
+#                         SmolLM2's tokenizer so that its output decodes to text), tp2 with DCP inside the TP group:
+#                         per layer two TP all-reduces, the query all-gather and the combine
 # each with launch.cpu_comm=gloo and =shm, random prompts of INPUT_LEN (512) tokens, 128 output tokens, NUM_PROMPTS
 # (16) requests at concurrency 8. ROUNDS (2) rounds, the two variants launched in turn, their order swapped every
-# round; the summary takes each variant's best round and gives shm's figures over gloo's.
+# round (FIRST_ROUND, default 1, continues a run; PLANS limits the plans); the summary takes each variant's best
+# round and gives shm's figures over gloo's.
 #
 #   bash benchmarks/bench_cpu_comm.sh [OUTPUT_DIR]          # default runs/bench_cpu_comm
 #
@@ -18,11 +20,13 @@ dcpctl="${DCPCTL:-.venv/bin/dcpctl}"
 python="${PYTHON:-.venv/bin/python}"
 mkdir -p "$out/plans"
 
+"$dcpctl" model pull smollm2-135m-instruct >/dev/null
+smollm2="$("$python" -c 'from engine.checkpoints.aliases import resolve_model_path as r; print(r("smollm2-135m-instruct"))')"
 model="$out/llama_smollm2_size"
 [ -f "$model/config.json" ] || "$dcpctl" model tiny "$model" --arch llama --force --hidden-size 576 \
     --num-layers 30 --num-heads 8 --num-kv-heads 1 --head-dim 64 --intermediate-size 1536 --vocab-size 49152 \
     --max-position-embeddings 2048 >/dev/null
-"$dcpctl" model pull smollm2-135m-instruct >/dev/null
+cp "$smollm2"/tokenizer.json "$smollm2"/tokenizer_config.json "$smollm2"/chat_template.jinja "$model"/
 
 for comm in gloo shm; do
     cat >"$out/plans/smollm2_tp1_dcp2_i16_$comm.yaml" <<PLAN
@@ -47,11 +51,11 @@ PLAN
 done
 
 rounds="${ROUNDS:-2}"
-for round in $(seq 1 "$rounds"); do
+for round in $(seq "${FIRST_ROUND:-1}" "$rounds"); do
     order=(gloo shm)
     [ $((round % 2)) -eq 0 ] && order=(shm gloo)
     mkdir -p "$out/round$round"
-    for plan in smollm2_tp1_dcp2_i16 llama_tp2_dcp2_i16; do
+    for plan in ${PLANS:-smollm2_tp1_dcp2_i16 llama_tp2_dcp2_i16}; do
         echo "round $round: $plan (${order[*]}), load average $(cut -d' ' -f1 /proc/loadavg)" >&2
         "$dcpctl" bench "$out/plans/${plan}_${order[0]}.yaml" "$out/plans/${plan}_${order[1]}.yaml" \
             --input-len "${INPUT_LEN:-512}" --output-len 128 --num-prompts "${NUM_PROMPTS:-16}" --concurrency 8 \

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine import shm_comm
+from engine.group_comm import GroupComm
 from engine.kernels.cpu_isa import detect
 from engine.runtime.launcher import free_port
 
@@ -48,31 +49,18 @@ def cases() -> list[tuple[str, str, tuple[int, ...], torch.dtype]]:
     return rows
 
 
-def gloo_call(kind: str, group: dist.ProcessGroup, x: torch.Tensor) -> None:
+def run_one(kind: str, comm: GroupComm, x: torch.Tensor) -> None:
+    """One collective of `kind` on x through `comm` (gloo: GroupComm; shared memory: its ShmGroup)."""
     if kind == "all_reduce":
-        dist.all_reduce(x, group=group)
+        comm.all_reduce(x)
     elif kind == "all_gather":
-        dist.all_gather_into_tensor(x.new_empty((2 * x.shape[0], *x.shape[1:])), x, group=group)
+        comm.all_gather_rows(x)
     elif kind == "all_to_all":
-        dist.all_to_all_single(torch.empty_like(x), x, group=group)
+        comm.all_to_all_rows(x)
     elif kind == "reduce_scatter":
-        dist.reduce_scatter_tensor(x.new_empty((x.shape[0] // 2, *x.shape[1:])), x, group=group)
+        comm.reduce_scatter_rows(x)
     else:
-        parts = [torch.empty_like(x) for _ in range(2)] if dist.get_rank() == 0 else None
-        dist.gather(x, parts, dst=0, group=group)
-
-
-def shm_call(kind: str, shm: shm_comm.ShmGroup, x: torch.Tensor) -> None:
-    if kind == "all_reduce":
-        shm.all_reduce(x)
-    elif kind == "all_gather":
-        shm.all_gather_rows(x)
-    elif kind == "all_to_all":
-        shm.all_to_all_rows(x)
-    elif kind == "reduce_scatter":
-        shm.reduce_scatter_rows(x)
-    else:
-        shm.gather_to_first(x)
+        comm.gather_to_first(x)
 
 
 class TorchShmAllReduce:
@@ -105,6 +93,7 @@ def _rank(rank: int, port: int, reps: int, calls: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     group = dist.new_group([0, 1], backend="gloo")
+    gloo = GroupComm(group)
     shm = shm_comm.attach(group, 60.0)
     assert not isinstance(shm, str), shm
     path = shm_comm.SHM_DIR / f"dcpctl-bench-{port}"
@@ -119,8 +108,8 @@ def _rank(rank: int, port: int, reps: int, calls: int, out: str) -> None:
     for name, kind, shape, dtype in cases():
         x = torch.randn(shape).to(dtype)
         variants = {
-            "gloo": functools.partial(gloo_call, kind, group, x),
-            "shm": functools.partial(shm_call, kind, shm, x),
+            "gloo": functools.partial(run_one, kind, gloo, x),
+            "shm": functools.partial(run_one, kind, shm, x),
         }
         if kind == "all_reduce" and dtype == torch.float32:
             variants["torch-shm"] = functools.partial(torch_shm, x)

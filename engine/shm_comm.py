@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from engine.group_comm import GroupComm
 from engine.kernels.shm_kernels import build_problem
 
 SHM_DIR = Path("/dev/shm")
@@ -31,14 +32,12 @@ SLOT_BYTES = 1 << 20  # per rank and buffer; larger tensors take several rounds 
 SUMMABLE = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class ShmGroup:
-    """A process group's shared-memory collectives (the group's gloo group for what they do not cover)."""
+class ShmGroup(GroupComm):
+    """A process group's collectives through its shared segment (its gloo group for what they do not cover)."""
 
     def __init__(self, group: dist.ProcessGroup, segment: torch.Tensor):
-        self.group = group
+        super().__init__(group)
         self.segment = segment
-        self.rank = dist.get_group_rank(group, dist.get_rank())
-        self.size = dist.get_world_size(group)
         ops = torch.ops.dcpctl_shm
         self._all_reduce = ops.all_reduce.default
         self._all_gather = ops.all_gather.default
@@ -47,9 +46,8 @@ class ShmGroup:
         self._gather = ops.gather_to_first.default
 
     def all_reduce(self, x: torch.Tensor) -> None:
-        """Sum over the group, in place."""
         if x.dtype not in SUMMABLE:
-            dist.all_reduce(x, group=self.group)
+            super().all_reduce(x)
         elif x.is_contiguous():
             self._all_reduce(self.segment, self.rank, x)
         else:
@@ -58,24 +56,17 @@ class ShmGroup:
             x.copy_(summed)
 
     def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's x concatenated along dim 0, in group-rank order."""
         return self._all_gather(self.segment, self.rank, x.contiguous())
 
     def reduce_scatter_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum over the group of dim-0 chunk `rank` of x."""
         if x.dtype not in SUMMABLE:
-            out = x.new_empty((x.shape[0] // self.size, *x.shape[1:]))
-            dist.reduce_scatter_tensor(out, x.contiguous(), group=self.group)
-            return out
+            return super().reduce_scatter_rows(x)
         return self._reduce_scatter(self.segment, self.rank, x.contiguous())
 
     def all_to_all_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """all_to_all_single with equal splits: dim-0 chunk j of x goes to rank j; chunk j of the result came
-        from rank j."""
         return self._all_to_all(self.segment, self.rank, x.contiguous())
 
     def gather_to_first(self, x: torch.Tensor) -> list[torch.Tensor] | None:
-        """Every rank's x on the group's first rank (None on the others)."""
         stacked = self._gather(self.segment, self.rank, x.contiguous())
         return list(stacked.unbind(0)) if self.rank == 0 else None
 
