@@ -10,8 +10,11 @@
 // seq = k (release), waits until every peer has published k (acquire) and reads what it needs from the
 // peers' buffers. A tensor larger than a slot takes several rounds. Sums run in fp32 over the group's ranks
 // in rank order, so every rank gets the same bits: for two ranks exactly gloo's sum.
-// Waiting spins with a pause, then yields the core, then sleeps; a peer whose process is gone, or a wait
-// longer than the timeout, raises (the message names the peer) instead of spinning forever.
+// Waiting spins with a pause for a few microseconds, then sleeps on a futex on the peer's `seq` (the publisher
+// wakes it when its line counts sleepers), so a waiter whose peer was descheduled gives its core away, as gloo's
+// blocking receive does, instead of spinning on a machine with more runnable processes than cores. The sleep
+// wakes every 50 ms to check the peer: one whose process is gone, or a wait longer than the timeout, raises (the
+// message names the peer) instead of waiting forever.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -19,8 +22,13 @@
 #include <torch/library.h>
 
 #include <fcntl.h>
-#include <sched.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <ctime>
 
 #include <algorithm>
 #include <chrono>
@@ -28,7 +36,6 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -46,9 +53,7 @@ constexpr uint64_t kMagic = 0x64637063746c3031ULL;  // "dcpctl01"
 constexpr int64_t kHeaderBytes = 4096;
 constexpr int64_t kLineBytes = 128;  // a rank's line: two cache lines, so the adjacent-line prefetch is not shared
 constexpr int kMaxRanks = 64;
-constexpr int kSpins = 256;                      // pause-spins before the first yield (a few microseconds)
-constexpr auto kYieldFor = std::chrono::milliseconds(2);  // then yields; after that, short sleeps
-constexpr auto kSleep = std::chrono::microseconds(20);
+constexpr int kSpins = 512;  // pause-spins before sleeping (a few microseconds: a peer on its own core arrives)
 constexpr auto kCheckEvery = std::chrono::milliseconds(50);  // liveness and timeout checks while waiting
 
 struct Header {
@@ -59,10 +64,20 @@ struct Header {
 };
 
 struct Line {
-  uint64_t seq;  // written by its rank only (atomic release), read by the others (acquire)
+  uint64_t seq;  // written by its rank only, read by the others; its low 32 bits are the futex word
   int64_t pid;
   int64_t global_rank;
+  uint32_t sleepers;  // peers asleep on this line's futex (the publisher wakes them)
 };
+
+static_assert(sizeof(Line) <= kLineBytes, "a rank's line must fit its 128 bytes");
+
+// The futex word of a line: the low half of `seq` (little-endian), which changes at every round.
+uint32_t* futex_word(Line* line) { return reinterpret_cast<uint32_t*>(&line->seq); }
+
+long futex(uint32_t* word, int op, uint32_t value, const timespec* timeout) {
+  return ::syscall(SYS_futex, word, op, value, timeout, nullptr, 0);  // shared (not PRIVATE): across processes
+}
 
 struct Segment {
   uint8_t* base;
@@ -76,7 +91,13 @@ struct Segment {
     return base + kHeaderBytes + size * kLineBytes + (r * 2 + static_cast<int64_t>(round & 1)) * slot;
   }
   uint64_t published(int r) const { return __atomic_load_n(&line(r)->seq, __ATOMIC_ACQUIRE); }
-  void publish(uint64_t round) const { __atomic_store_n(&line(rank)->seq, round, __ATOMIC_RELEASE); }
+  // seq_cst store, then the sleeper count: a waiter either sees the new seq or is counted here (and the kernel
+  // re-checks the futex word before it sleeps), so no wake-up is lost.
+  void publish(uint64_t round) const {
+    Line* mine = line(rank);
+    __atomic_store_n(&mine->seq, round, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&mine->sleepers, __ATOMIC_SEQ_CST) != 0) futex(futex_word(mine), FUTEX_WAKE, INT_MAX, nullptr);
+  }
 };
 
 int64_t segment_bytes(int64_t size, int64_t slot) { return kHeaderBytes + size * kLineBytes + size * 2 * slot; }
@@ -117,17 +138,17 @@ void wait_for(const Segment& s, int peer, uint64_t round) {
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
   auto next_check = start + kCheckEvery;
+  Line* line = s.line(peer);
+  const timespec check_every{0, std::chrono::duration_cast<std::chrono::nanoseconds>(kCheckEvery).count()};
   for (;;) {
-    const auto now = clock::now();
-    if (now - start < kYieldFor) {
-      sched_yield();
-    } else {
-      std::this_thread::sleep_for(kSleep);
-    }
+    __atomic_add_fetch(&line->sleepers, 1, __ATOMIC_SEQ_CST);
+    const uint64_t seen = __atomic_load_n(&line->seq, __ATOMIC_SEQ_CST);
+    if (seen < round) futex(futex_word(line), FUTEX_WAIT, static_cast<uint32_t>(seen), &check_every);
+    __atomic_sub_fetch(&line->sleepers, 1, __ATOMIC_SEQ_CST);
     if (s.published(peer) >= round) return;
+    const auto now = clock::now();  // woken by an earlier round, or the sleep ran out: check now and then
     if (now < next_check) continue;
     next_check = now + kCheckEvery;
-    const Line* line = s.line(peer);
     if (process_gone(line->pid)) {
       throw std::runtime_error("shared-memory peer lost: rank " + std::to_string(line->global_rank) + " (pid " +
                                std::to_string(line->pid) + ") exited while rank " +
