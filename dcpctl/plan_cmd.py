@@ -46,6 +46,7 @@ def check_to_dict(check: PlanCheck) -> dict:
         "max_model_len": res.max_model_len,
         "model_path": str(res.model_path) if res.model_path else None,
         "cpu_paths": res.cpu_paths.describe() if res.cpu_paths else None,
+        "cpu_comm": res.cpu_comm or None,
     }
     data["config"] = plan_to_dict(res.plan)
     if res.layout is not None:
@@ -109,6 +110,7 @@ def _render_show(console: Console, res: ResolvedPlan, positions: int) -> None:
     )
     if res.cpu_paths is not None:
         console.print(res.cpu_paths.describe())
+    console.print(f"collectives: {res.collectives_transport}")
     layout = res.layout
     if layout is not None:
         dcp_kind = {

@@ -69,6 +69,9 @@ def render_validation(console: Console, checks: list[PlanCheck]) -> None:
         if c.resolved is not None and c.resolved.cpu_paths is not None:
             paths = c.resolved.cpu_paths.describe()
             console.print(Text.assemble(("cpu ", "dim"), f"{c.name}: {paths}"), soft_wrap=True)
+        if c.resolved is not None and (c.resolved.world_size or 1) > 1:
+            transport = c.resolved.collectives_transport
+            console.print(Text.assemble(("collectives ", "dim"), f"{c.name}: {transport}"), soft_wrap=True)
 
 
 def checked_targets(specs: list[str], overrides: list[str], console: Console) -> list[Target]:

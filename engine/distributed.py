@@ -2,8 +2,10 @@
 
 One module-level `ParallelContext` (set once per process by `init_parallel`) tells the layers
 their TP and DCP groups; model code stays free of rank arithmetic. With a world of one every
-collective is skipped. CPU: gloo for everything. CUDA: NCCL for tensors plus a gloo group for
-host metadata (the per-step plans rank 0 broadcasts).
+collective is skipped. Each group's tensor collectives go through a `GroupComm` (engine.group_comm):
+torch.distributed, gloo on CPU and NCCL plus a gloo group for host metadata (the per-step plans rank 0
+broadcasts) on CUDA; with `launch.cpu_comm` resolved to shm, a shared-memory segment per group instead
+(`engine.shm_comm.ShmGroup`), and gloo carries the control messages.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engine import shm_comm
+from engine.errors import UserError
+from engine.group_comm import GroupComm
 from engine.parallel_layout import ParallelLayout, RankRole
 
 # Collectives between ranks that compute: a dead or stuck rank surfaces as an error, not a hang.
@@ -36,6 +41,7 @@ class ParallelContext:
     dcp_group: dist.ProcessGroup | None = None
     query_group: dist.ProcessGroup | None = None
     control_group: dist.ProcessGroup | None = None  # gloo, all ranks: step plans
+    collectives: str = ""  # what carries the tensor collectives, for the start-up line
 
     @property
     def world_size(self) -> int:
@@ -77,6 +83,7 @@ class ParallelContext:
 
 
 _CONTEXT: ParallelContext | None = None
+_COMMS: dict[dist.ProcessGroup, GroupComm] = {}  # each group's collectives (shm_comm.ShmGroup: shared memory)
 
 
 def get_parallel() -> ParallelContext:
@@ -107,8 +114,14 @@ def _groups(layout_groups: list[list[int]], rank: int, backend: str, timeout: da
     return mine if size > 1 else None
 
 
-def init_parallel(layout: ParallelLayout, device_type: str, dist_backend: str) -> ParallelContext:
-    """Join the torchrun world (env:// rendezvous) and build the layout's groups for this rank."""
+def init_parallel(
+    layout: ParallelLayout, device_type: str, dist_backend: str, cpu_comm: str = "gloo", cpu_comm_strict: bool = False
+) -> ParallelContext:
+    """Join the torchrun world (env:// rendezvous) and build the layout's groups for this rank.
+
+    `cpu_comm`: "shm" gives the groups shared-memory collectives (a CPU world on one node); where a group cannot
+    have them it keeps gloo with a reason in `collectives`, or, `cpu_comm_strict`, a UserError.
+    """
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -129,48 +142,72 @@ def init_parallel(layout: ParallelLayout, device_type: str, dist_backend: str) -
     context.control_group = dist.new_group(
         list(range(world)), backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S)
     )
+    groups = [context.tp_group, context.dcp_group, context.query_group]
+    context.collectives = backend
+    if backend == "gloo" and cpu_comm == "shm":
+        context.collectives = use_shared_memory(groups, cpu_comm_strict)
     set_parallel(context)
     return context
+
+
+def use_shared_memory(groups: list[dist.ProcessGroup | None], strict: bool) -> str:
+    """Give each group (collectively, in the same order on every rank) shared-memory collectives; say what carries
+    the collectives now. A group that cannot have them keeps gloo, or, `strict`, raises a UserError naming why."""
+    problems = []
+    by_ranks: dict[tuple[int, ...], shm_comm.ShmGroup | str] = {}
+    for group in groups:
+        if group is None or isinstance(_COMMS.get(group), shm_comm.ShmGroup):
+            continue
+        # groups of the same ranks share a segment: every rank issues their collectives in the same order
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if ranks not in by_ranks:
+            by_ranks[ranks] = shm_comm.attach(group, COLLECTIVE_TIMEOUT_S)
+        attached = by_ranks[ranks]
+        if isinstance(attached, str):
+            if strict:
+                raise UserError(f"launch.cpu_comm=shm: {attached}; set launch.cpu_comm=gloo (or auto)")
+            problems.append(attached)
+        else:
+            _COMMS[group] = attached
+    if problems:
+        return f"gloo (shared memory unavailable: {problems[0]})"
+    return "shared memory (gloo for control messages)"
+
+
+def _comm(group: dist.ProcessGroup) -> GroupComm:
+    """The group's collectives: through shared memory where `use_shared_memory` gave it a segment, else
+    torch.distributed."""
+    comm = _COMMS.get(group)
+    if comm is None:
+        comm = _COMMS[group] = GroupComm(group)
+    return comm
 
 
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum over the group in place (no-op for a one-rank group)."""
     if group is not None:
-        dist.all_reduce(x, group=group)
+        _comm(group).all_reduce(x)
     return x
 
 
 def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Concatenate every rank's `x` along dim 0, in group-rank order."""
-    if group is None:
-        return x
-    size = dist.get_world_size(group)
-    out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-    return out
+    return x if group is None else _comm(group).all_gather_rows(x)
 
 
 def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum over the group and keep this rank's dim-0 chunk."""
-    if group is None:
-        return x
-    size = dist.get_world_size(group)
-    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
-    return out
+    return x if group is None else _comm(group).reduce_scatter_rows(x)
+
+
+def all_to_all_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Send dim-0 chunk i of `x` to group rank i; returns the chunks received, stacked in source-rank order."""
+    return x if group is None else _comm(group).all_to_all_rows(x)
 
 
 def gather_to_first(x: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor] | None:
     """Every rank's `x` on the group's first rank (None elsewhere)."""
-    if group is None:
-        return [x]
-    first = dist.get_global_rank(group, 0)
-    if dist.get_rank() == first:
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.gather(x.contiguous(), parts, dst=first, group=group)
-        return parts
-    dist.gather(x.contiguous(), None, dst=first, group=group)
-    return None
+    return [x] if group is None else _comm(group).gather_to_first(x)
 
 
 def broadcast_object(obj: object, group: dist.ProcessGroup | None) -> object:

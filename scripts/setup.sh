@@ -9,4 +9,5 @@ PYTHON="${PYTHON:-python3}"
 .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 .venv/bin/python -m pip install -q -e ".[test]"
 .venv/bin/python -m engine.kernels.cpu_kernels  # compile the engine's CPU kernels once (cached)
+.venv/bin/python -m engine.kernels.shm_kernels  # and the shared-memory collectives
 echo "dcpctl installed in $(pwd)/.venv (activate with: . .venv/bin/activate)"

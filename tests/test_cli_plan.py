@@ -52,6 +52,9 @@ def test_json_report(make_plan, tmp_path):
     assert report["layout"] == {"kind": "tp", "kv_replication": 2, "replicas": 1}
     assert report["kv_cache"]["token_capacity"] == report["kv_cache"]["tokens_per_rank"] * 2
     assert report["config"]["parallel"]["interleave"] == 4
+    assert report["resolved"]["cpu_comm"] == "shm"
+    result = runner.invoke(app, ["plan", "validate", str(path), "launch.cpu_comm=gloo"])
+    assert "collectives plan: gloo (launch.cpu_comm=gloo)" in " ".join(result.output.split())
 
 
 def test_show_draws_ranks_and_ownership(make_plan, tmp_path):
@@ -66,6 +69,10 @@ def test_show_draws_ranks_and_ownership(make_plan, tmp_path):
     assert "virtual block = 8 tokens" in " ".join(result.output.split())
     # interleave 2 over dcp 2: 0011 repeating; '|' after each 8-token virtual block
     assert "00110011|00110011" in result.output.replace(" ", "")
+    shown = " ".join(result.output.split())
+    assert "collectives: shared memory, every rank on this node (launch.cpu_comm=auto); gloo for step plans" in shown
+    result = runner.invoke(app, ["plan", "show", str(path), "launch.cpu_comm=gloo"])
+    assert "collectives: gloo (launch.cpu_comm=gloo)" in result.output
 
 
 def test_show_block_interleave(make_plan, tmp_path):

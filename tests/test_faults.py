@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -87,17 +88,25 @@ def finish(proc, timeout: float) -> tuple[int, str, float]:
     return proc.returncode, " ".join(err.split()), time.monotonic() - start
 
 
+def shm_segments(pids) -> list[str]:
+    """Shared-memory segments the ranks made (named after their creator's pid) still linked in /dev/shm."""
+    return [p.name for pid in pids for p in Path("/dev/shm").glob(f"dcpctl-{pid}-*")]
+
+
 def test_killed_rank_ends_every_rank_with_the_root_cause(tmp_path, tiny_models):
     proc, marker, stats = start_run(tmp_path, tiny_models)
     wait_for_ranks(proc, stats)
     ranks = workers(marker)
     assert set(ranks) == {0, 1}
+    # the survivor waits in a shared-memory collective (the default on one node), not in gloo
+    assert json.loads((stats / "rank0.json").read_text())["collectives"].startswith("shared memory")
     os.kill(ranks[1], signal.SIGKILL)
     code, err, took = finish(proc, timeout=30)
     assert code == 1 and took < 15
     assert "error: the run failed: rank 1 was killed by SIGKILL" in err
     assert "Traceback" not in err
     assert workers(marker) == {}
+    assert shm_segments(ranks.values()) == []
 
 
 def test_raising_rank_reports_its_own_error(tmp_path, tiny_models):
@@ -115,10 +124,12 @@ def test_raising_rank_reports_its_own_error(tmp_path, tiny_models):
 def test_ctrl_c_stops_every_rank(tmp_path, tiny_models):
     proc, marker, stats = start_run(tmp_path, tiny_models)
     wait_for_ranks(proc, stats)
+    ranks = workers(marker)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
     code, _, took = finish(proc, timeout=30)
     assert code != 0 and took < 15
     assert workers(marker) == {}
+    assert shm_segments(ranks.values()) == []
 
 
 def test_busy_master_port_is_a_clear_error(tmp_path, tiny_models):

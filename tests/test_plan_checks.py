@@ -170,8 +170,40 @@ def test_cuda_without_gpus(make_plan, llama_folder, monkeypatch):
 
 
 @pytest.mark.parametrize(
+    ("launch", "resolved"),
+    [
+        ("{device: cpu}", "shm"),
+        ("{device: cpu, cpu_comm: shm}", "shm"),
+        ("{device: cpu, cpu_comm: gloo}", "gloo"),
+        ("{device: cpu, nnodes: 2, master_port: 29500}", "gloo"),  # auto: shared memory only within one node
+    ],
+)
+def test_cpu_comm_resolves(make_plan, llama_folder, launch, resolved):
+    report = check(make_plan, f"model: {{path: {llama_folder}}}\nparallel: {{tp: 2}}\nlaunch: {launch}\n")
+    assert report.valid, messages(report)
+    assert report.resolved.cpu_comm == resolved
+
+
+def test_cpu_comm_shm_needs_one_node_and_cpu(make_plan, llama_folder, monkeypatch):
+    plan = f"model: {{path: {llama_folder}}}\nparallel: {{tp: 2}}\n"
+    report = check(make_plan, plan + "launch: {device: cpu, cpu_comm: shm, nnodes: 2, master_port: 29500}\n")
+    assert messages(report) == [
+        "launch.cpu_comm=shm needs every rank on one node, but launch.nnodes=2; set launch.cpu_comm=auto "
+        "(gloo between nodes) or launch.nnodes=1"
+    ]
+    monkeypatch.setattr("engine.devices.cuda_device_count", lambda: 2)
+    report = check(make_plan, plan + "launch: {device: cuda, cpu_comm: shm}\n")
+    assert messages(report) == [
+        "launch.cpu_comm=shm is for CPU ranks, but launch.device resolves to cuda here (NCCL carries the tensors); "
+        "set launch.cpu_comm=auto, or launch.device=cpu"
+    ]
+    assert report.resolved.cpu_comm == ""
+
+
+@pytest.mark.parametrize(
     ("text", "fragment"),
     [
+        ("launch: {cpu_comm: shared}\n", "launch.cpu_comm='shared' is not one of auto, shm, gloo"),
         ("launch: {nnodes: 2}\n", "a multi-node launch needs launch.master_port"),
         ("launch: {nnodes: 2, node_rank: 2, master_port: 29500}\n", "launch.node_rank=2 must be in 0..1"),
         ("serve: {port: 70000}\n", "serve.port=70000 is not a port number"),

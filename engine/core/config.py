@@ -25,6 +25,8 @@ class EngineConfig:
     cache_dtype: str
     device: str
     dist_backend: str
+    cpu_comm: str  # CPU: "shm" or "gloo" (the plan's launch.cpu_comm resolved); "" on CUDA
+    cpu_comm_strict: bool  # launch.cpu_comm=shm asked for it: no fallback to gloo
     attention_backend: str
     block_size: int
     interleave: int
@@ -53,6 +55,8 @@ class EngineConfig:
             cache_dtype=resolved.cache_dtype,
             device=resolved.device,
             dist_backend=plan.launch.dist_backend,
+            cpu_comm=resolved.cpu_comm,
+            cpu_comm_strict=plan.launch.cpu_comm == "shm",
             attention_backend=resolved.backend,
             block_size=plan.cache.block_size,
             interleave=plan.parallel.interleave,

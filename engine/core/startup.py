@@ -61,7 +61,7 @@ def start_rank(resolved: ResolvedPlan) -> tuple[EngineConfig, ParallelContext, M
     if layout.world_size == 1 and "RANK" not in os.environ:
         par = init_single(layout, device)
     else:
-        par = init_parallel(layout, config.device, config.dist_backend)
+        par = init_parallel(layout, config.device, config.dist_backend, config.cpu_comm, config.cpu_comm_strict)
     _set_threads(config)
     if device.type == "cpu":
         reuse_freed_memory()
@@ -89,11 +89,14 @@ def start_rank(resolved: ResolvedPlan) -> tuple[EngineConfig, ParallelContext, M
     _write_rank_stats(par, runner)
     if runner.cpu_paths and par.is_driver:
         print(f"dcpctl: {runner.cpu_paths}", file=sys.stderr, flush=True)
+    if par.collectives and par.is_driver:
+        print(f"dcpctl: collectives: {par.collectives}", file=sys.stderr, flush=True)
     return config, par, runner
 
 
 def _write_rank_stats(par: ParallelContext, runner: ModelRunner) -> None:
-    """With DCPCTL_RANK_STATS_DIR set, each rank records its KV cache allocation (for tests and tooling)."""
+    """With DCPCTL_RANK_STATS_DIR set, each rank records its KV cache allocation and what carries its collectives
+    (for tests and tooling)."""
     folder = os.environ.get("DCPCTL_RANK_STATS_DIR")
     if not folder:
         return
@@ -105,6 +108,7 @@ def _write_rank_stats(par: ParallelContext, runner: ModelRunner) -> None:
         "kv_cache_bytes": runner.kv_cache_bytes,
         "kv_cache_shape": list(runner.kv_cache.shape),
         "num_blocks": runner.cache_layout.num_blocks,
+        "collectives": par.collectives,
     }
     atomic_write_text(Path(folder) / f"rank{par.rank}.json", json.dumps(stats))
 

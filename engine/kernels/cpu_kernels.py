@@ -37,11 +37,11 @@ def build_flags(isa: CpuIsa) -> list[str]:
     return BASE_CFLAGS + ([f"-march={isa.march}"] if isa.march else [])
 
 
-def build_name(isa: CpuIsa) -> str:
-    """The cached build's name: the ISA level's variant, then a short hash of the sources' flags and the torch
-    install it links against (a second venv sharing the cache would otherwise rebuild it at every switch)."""
+def build_name(isa: CpuIsa, library: str = "dcpctl_cpu_kernels") -> str:
+    """The cached build's name: the library, the ISA level's variant, then a short hash of the sources' flags and
+    the torch install it links against (a second venv sharing the cache would otherwise rebuild it at every switch)."""
     key = f"{' '.join(build_flags(isa))}|{torch.__version__}|{torch.__file__}"
-    return f"dcpctl_cpu_kernels_{isa.build_variant.replace('-', '_')}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+    return f"{library}_{isa.build_variant.replace('-', '_')}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
 
 
 def kernels_dir() -> Path:

@@ -22,7 +22,7 @@ from engine.parallel_layout import ParallelLayout, divisors, layout_problems
 from engine.plan.kv_sizing import format_bytes, kv_sizing, parse_memory
 from engine.plan.loader import LoadedPlan, PlanLoadError, load_plan
 from engine.plan.resolved import ResolvedPlan, model_not_found
-from engine.plan.schema import ATTENTION_BACKENDS, DEVICES, DIST_BACKENDS, DTYPES
+from engine.plan.schema import ATTENTION_BACKENDS, CPU_COMMS, DEVICES, DIST_BACKENDS, DTYPES
 from engine.plan.validation import PlanCheck, PlanProblems
 
 MAX_WORLD_SIZE = 65536  # ranks of one plan; far beyond any deployment, so a larger one is a typo
@@ -62,6 +62,7 @@ def _check_static(problems: PlanProblems, res: ResolvedPlan) -> None:
     _choice(problems, "attention.backend", plan.attention.backend, ATTENTION_BACKENDS)
     _choice(problems, "launch.device", lch.device, DEVICES)
     _choice(problems, "launch.dist_backend", lch.dist_backend, DIST_BACKENDS)
+    _choice(problems, "launch.cpu_comm", lch.cpu_comm, CPU_COMMS)
     if s.max_num_seqs < 1:
         problems.error("scheduler.max_num_seqs", f"scheduler.max_num_seqs={s.max_num_seqs} must be >= 1")
     if s.max_num_batched_tokens < 1:
@@ -187,6 +188,25 @@ def _resolve_cpu_paths(problems: PlanProblems, res: ResolvedPlan) -> None:
         problems.error(cpu_isa.ENV, str(exc))
         return
     res.cpu_paths = CpuPaths(isa, res.dtype, kernels_wanted(), res.backend)
+
+
+def _resolve_cpu_comm(problems: PlanProblems, res: ResolvedPlan) -> None:
+    """What carries a CPU plan's tensor collectives: shared memory when every rank is on this node, else gloo."""
+    lch = res.plan.launch
+    if lch.cpu_comm == "shm" and res.device == "cuda":
+        problems.error(
+            "launch.cpu_comm",
+            "launch.cpu_comm=shm is for CPU ranks, but launch.device resolves to cuda here (NCCL carries the "
+            "tensors); set launch.cpu_comm=auto, or launch.device=cpu",
+        )
+    elif lch.cpu_comm == "shm" and lch.nnodes > 1:
+        problems.error(
+            "launch.cpu_comm",
+            f"launch.cpu_comm=shm needs every rank on one node, but launch.nnodes={lch.nnodes}; "
+            "set launch.cpu_comm=auto (gloo between nodes) or launch.nnodes=1",
+        )
+    if res.device == "cpu":
+        res.cpu_comm = "shm" if lch.cpu_comm in ("auto", "shm") and lch.nnodes == 1 else "gloo"
 
 
 def _check_model(problems: PlanProblems, res: ResolvedPlan, info: ModelInfo) -> None:
@@ -327,6 +347,7 @@ def check_plan(loaded: LoadedPlan, strict: bool = False) -> PlanCheck:
     _check_static(problems, res)
     _resolve_backend(problems, res)
     _resolve_cpu_paths(problems, res)
+    _resolve_cpu_comm(problems, res)
     if info is not None:
         _check_kv(problems, res, info)
     _check_devices(problems, res)

@@ -39,6 +39,7 @@ class ResolvedPlan:
     max_model_len: int | None = None
     kv_budget_bytes: int | None = None
     cpu_paths: CpuPaths | None = None  # CPU plans: the ISA level and the kernels chosen from it
+    cpu_comm: str = ""  # CPU plans: "shm" or "gloo", what carries the tensor collectives between ranks
 
     @property
     def name(self) -> str:
@@ -62,6 +63,19 @@ class ResolvedPlan:
         if self.model is not None:
             return None
         return f"plan {self.name}: {model_not_found(self.model_path, self.plan.model.path)}"
+
+    @property
+    def collectives_transport(self) -> str:
+        """What carries the tensor collectives between the plan's ranks (the run's start-up line says what did)."""
+        launch = self.plan.launch
+        if self.world_size == 1:
+            return "none (one rank)"
+        if self.device != "cpu":
+            return f"{launch.dist_backend if launch.dist_backend != 'auto' else 'nccl'} (gloo for step plans)"
+        if self.cpu_comm == "shm":
+            return f"shared memory, every rank on this node (launch.cpu_comm={launch.cpu_comm}); gloo for step plans"
+        why = f"launch.nnodes={launch.nnodes}" if launch.nnodes > 1 else f"launch.cpu_comm={launch.cpu_comm}"
+        return f"gloo ({why})"
 
     def rank_overrides(self, overrides: list[str]) -> list[str]:
         """The overrides every rank loads the plan file with: the given ones, and a CPU plan's KV budget pinned in

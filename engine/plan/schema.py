@@ -15,6 +15,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 DEVICES = ("auto", "cpu", "cuda")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
+CPU_COMMS = ("auto", "shm", "gloo")
 
 # vLLM's name for parallel.interleave, accepted as an alias.
 KEY_ALIASES = {"parallel.cp_kv_cache_interleave_size": "parallel.interleave"}
@@ -65,6 +66,7 @@ class LaunchSection:
     master_port: int = 0  # 0: pick a free port (single node)
     rdzv_endpoint: str | None = None
     dist_backend: str = "auto"
+    cpu_comm: str = "auto"  # CPU tensor collectives: shared memory (one node) or gloo; auto: shm where it can
     threads_per_rank: int = 0  # 0: cores / local ranks
 
 

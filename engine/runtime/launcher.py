@@ -83,7 +83,7 @@ def torchrun_command(launch: LaunchSection, ranks_per_node: int, worker_args: li
 
 
 _FAILURE = re.compile(r"^\s*rank\s*:\s*(\d+).*\n\s*exitcode\s*:\s*(-?\d+)", re.M)
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "gloo/transport")
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "gloo/transport", "shared-memory peer lost")
 
 
 def _root_error(error_dir: Path, log_text: str) -> str | None:

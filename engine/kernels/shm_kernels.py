@@ -1,0 +1,29 @@
+"""The shared-memory collective kernels (csrc/shm_comm.cpp): built per ISA level like the CPU kernels, loaded once.
+
+A library of its own (ops under `torch.ops.dcpctl_shm`), so that the collectives do not depend on the compute
+kernels' opt-out (`DCPCTL_CPU_KERNELS=0`). `engine.shm_comm` owns the segments and calls these ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+from engine.kernels.cpu_isa import detect
+from engine.kernels.cpu_kernels import build_flags, build_kernels, build_name
+
+SOURCES = (Path(__file__).with_name("csrc") / "shm_comm.cpp",)
+LIBRARY = "dcpctl_shm_comm"
+_log = logging.getLogger(__name__)
+
+
+@functools.cache
+def build_problem() -> str | None:
+    """Build (first time) and load the collective kernels: None when loaded, else why not, in one line."""
+    isa = detect()
+    return build_kernels(SOURCES, build_name(isa, LIBRARY), build_flags(isa))
+
+
+if __name__ == "__main__":  # scripts/setup.sh: build now rather than at the first shared-memory run
+    print(f"dcpctl shared-memory collectives ({detect().describe()}):", build_problem() or "built")
