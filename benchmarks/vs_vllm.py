@@ -224,7 +224,8 @@ def launch(system: str, python: str, job_file: Path, env: dict, log: Path, timeo
 
 
 def system_env(system: str, isa: str, bind: bool, workdir: Path) -> dict:
-    drop = {*AVX2_ENV, "PYTHONPATH", "GOMP_CPU_AFFINITY", "VLLM_CPU_OMP_THREADS_BIND"}
+    # OMP_WAIT_POLICY: this driver imported `engine`, which sets dcpctl's default; HF and vLLM keep their own
+    drop = {*AVX2_ENV, "PYTHONPATH", "GOMP_CPU_AFFINITY", "VLLM_CPU_OMP_THREADS_BIND", "OMP_WAIT_POLICY"}
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env["PYTHONUNBUFFERED"] = "1"
     if isa == "avx2":

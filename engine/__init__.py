@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from engine.kernels.cpu_isa import cap_torch_isa
+from engine.kernels.cpu_threads import default_wait_policy
 
 if TYPE_CHECKING:
     from engine.core.sequence import SamplingParams
@@ -12,7 +13,9 @@ if TYPE_CHECKING:
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 
-cap_torch_isa()  # DCPCTL_CPU_ISA=avx2 caps torch's own kernels too: before anything here imports torch
+# both must be in the environment before torch loads (anything below may import it)
+cap_torch_isa()  # DCPCTL_CPU_ISA=avx2 caps torch's own kernels too
+default_wait_policy()  # threads sleep at barriers: no spinning on cores another process needs
 
 
 def __getattr__(name: str) -> Any:

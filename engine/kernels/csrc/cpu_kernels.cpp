@@ -24,6 +24,16 @@
 
 namespace {
 
+// Elements of work below which a loop stays on the calling thread. Every at::parallel_for that forks is a
+// barrier of all threads: a few microseconds on idle cores, but a scheduler time slice (milliseconds) when
+// another process holds one of the cores, and a batch-16 decode step has ~270 of them (benchmarks/RESULTS.md).
+// Decode-sized norms, rotary and the attention merge are far below this; prefill-sized ones still fork.
+constexpr int64_t kSerialElements = 1 << 15;
+
+// The grain for a parallel_for over items of `item_elements` each: items per task so that a task is at least
+// kSerialElements (so a loop of fewer elements than that never forks).
+inline int64_t grain_for(int64_t item_elements) { return std::max<int64_t>(1, kSerialElements / std::max<int64_t>(1, item_elements)); }
+
 inline float bf16_to_float(uint16_t bits) {
   uint32_t widened = uint32_t(bits) << 16;
   float value;
@@ -53,7 +63,7 @@ void on_dtype(const at::Tensor& t, const char* op, F&& f) {
 template <typename T>
 void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* sum_out, int64_t rows, int64_t d,
                    float eps) {
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_for(d), [&](int64_t begin, int64_t end) {
     std::vector<float> h(d);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * d;
@@ -104,7 +114,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
     T* dst = out.data_ptr<T>();
     const float* cp = cc.data_ptr<float>();
     const float* sp = sc.data_ptr<float>();
-    at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, tokens * heads, grain_for(dim), [&](int64_t begin, int64_t end) {
       for (int64_t row = begin; row < end; ++row) {
         const int64_t t = row / heads, h = row % heads;
         const T* xr = src + t * x.stride(0) + h * x.stride(1);
@@ -260,7 +270,7 @@ void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tab
     }
   });
 
-  at::parallel_for(0, a.seqs * a.heads, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, a.seqs * a.heads, grain_for(chunks * dv), [&](int64_t begin, int64_t end) {
     std::vector<float> merged(dv);
     for (int64_t head = begin; head < end; ++head) {
       const float* m = part_max.data() + head * chunks;

@@ -1,0 +1,30 @@
+"""The OpenMP wait policy the engine sets before torch loads: PASSIVE unless the user chose one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = "import os, engine, torch; print(os.environ['OMP_WAIT_POLICY'], 'torch' in __import__('sys').modules)"
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_import_engine_sets_the_wait_policy_unless_given(given, expected):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given:
+        env["OMP_WAIT_POLICY"] = given
+    result = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == [expected, "True"]
+
+
+def test_engine_import_sets_it_before_torch_loads():
+    """libgomp reads OMP_WAIT_POLICY once, when torch loads it: `import engine` must not load torch first."""
+    probe = "import sys, engine; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True)
+    assert result.stdout.strip() == "False", result.stderr[-2000:]
