@@ -83,7 +83,7 @@ class DecodeStep:
         return max(parts, key=parts.__getitem__)
 
 
-def expert_fraction(model: ModelInfo, batch: int) -> float:
+def expert_fraction(model: ModelInfo, batch: float) -> float:
     """Expected fraction of routed experts `batch` tokens reach (each picks `experts_per_token` of them)."""
     experts, k = model.n_routed_experts, model.experts_per_token
     if not experts or not k:
@@ -91,7 +91,7 @@ def expert_fraction(model: ModelInfo, batch: int) -> float:
     return 1.0 - (1.0 - min(k, experts) / experts) ** batch
 
 
-def _weight_reads(shares: list[WeightShare], model: ModelInfo, batch: int, elem: int) -> tuple[float, float]:
+def _weight_reads(shares: list[WeightShare], model: ModelInfo, batch: float, elem: int) -> tuple[float, float]:
     """(bytes read, matmul elements per token) of one rank's weights in a decode step of `batch` tokens."""
     read = elements = 0.0
     for share in shares:
@@ -101,9 +101,9 @@ def _weight_reads(shares: list[WeightShare], model: ModelInfo, batch: int, elem:
             read += size * expert_fraction(model, batch)
             elements += count * model.experts_per_token / max(1, model.n_routed_experts)
         elif share.module == "embed_tokens" and not model.tie_word_embeddings:
-            read += 0  # a lookup of `batch` rows
+            continue  # a lookup of `batch` rows; the LM head is its own tensor
         elif share.module in ("norms", "norm"):
-            read += size
+            read += size  # read, but no matmul
         else:
             read += size
             elements += count
@@ -129,7 +129,7 @@ def _group_ranks(layout: ParallelLayout, group: str) -> list[list[int]]:
 
 
 def _step_collectives(
-    items: list[Collective], layout: ParallelLayout, cluster: Cluster, batch: int
+    items: list[Collective], layout: ParallelLayout, cluster: Cluster, batch: float
 ) -> tuple[StepCollective, ...]:
     per_node = max(1, layout.world_size // cluster.nodes_of(layout.world_size))
     spec = cluster.spec
@@ -140,7 +140,7 @@ def _step_collectives(
             (spec.network_bandwidth, spec.network_latency_s) if crosses else (spec.link_bandwidth, spec.link_latency_s)
         )
         count = len(c.layers) if c.layers is not None else 1
-        per_op = c.bytes_per_token * batch
+        per_op = round(c.bytes_per_token * batch)
         out.append(
             StepCollective(
                 c.where, c.op, c.group, c.ranks, count, per_op, crosses, count * (latency + per_op / bandwidth)
@@ -155,7 +155,7 @@ def decode_step(
     interleave: int,
     cluster: Cluster,
     dtype_bytes: int,
-    batch: int,
+    batch: float,
     context: int,
 ) -> DecodeStep:
     """The roofline decode step of `batch` sequences of `context` tokens under this placement."""

@@ -209,7 +209,7 @@ def _evaluate(req: Request, tp: int, dcp: int, interleave: int, dense: str) -> C
     copies = 1 if cluster.spec.shared else cluster.total // world
     batch = max(1, min(-(-req.concurrency // copies), seqs))
     plan.scheduler.max_num_seqs = batch
-    step = decode_step(placement, kv, interleave, cluster, elem, batch, req.context)
+    step = plan_step(check, cluster, batch, req.context)
     return Candidate(plan, check, [], placement, weights, copies, seqs, batch, step, req.concurrency)
 
 
@@ -267,3 +267,11 @@ def write_plan(candidate: Candidate, path: str | Path) -> Path:
     if target.is_dir():
         raise UserError(f"--write {target} is a folder; give a file such as {target / (candidate.name + '.yaml')}")
     return atomic_write_text(target, plan_yaml(candidate))
+
+
+def plan_step(check: PlanCheck, cluster: Cluster, batch: float, context: int) -> DecodeStep:
+    """The roofline decode step of a valid plan at `batch` running sequences of `context` tokens on `cluster`."""
+    res = check.require_valid()
+    placement = DensePlacement.build(res.layout, res.model, getattr(res.plan.parallel, "dense", "replicated"))
+    elem = dtype_bytes(res.dtype)
+    return decode_step(placement, res.kv, res.plan.parallel.interleave, cluster, elem, batch, context)
