@@ -52,63 +52,63 @@ class DeviceSpec:
         return self.flops16 if dtype_bytes <= 2 else self.flops32
 
 
+def _gpu(name: str, memory: float, bandwidth: float, flops16: float, link: float, source: str) -> DeviceSpec:
+    """A GPU: fp32 at half the 16-bit rate, one 400 Gb/s NIC, NCCL-like latencies (module docstring)."""
+    return DeviceSpec(
+        name=name,
+        kind="cuda",
+        memory_bytes=int(memory),
+        bandwidth=bandwidth,
+        flops16=flops16,
+        flops32=flops16 / 2,
+        link_bandwidth=link,
+        network_bandwidth=NIC_400G,
+        link_latency_s=10e-6,
+        network_latency_s=20e-6,
+        source=source,
+    )
+
+
 PRESETS: dict[str, DeviceSpec] = {
-    "h100": DeviceSpec(
-        name="h100",
-        kind="cuda",
-        memory_bytes=80 * GB,
-        bandwidth=3.35 * TB,
-        flops16=989 * TFLOPS,
-        flops32=989 * TFLOPS / 2,
-        link_bandwidth=450 * GB,
-        network_bandwidth=NIC_400G,
-        link_latency_s=10e-6,
-        network_latency_s=20e-6,
-        source="NVIDIA H100 Tensor Core GPU data sheet (SXM5): 80 GB HBM3, 3.35 TB/s, BF16 989 TFLOPS dense, "
-        "NVLink 900 GB/s",
-    ),
-    "h200": DeviceSpec(
-        name="h200",
-        kind="cuda",
-        memory_bytes=141 * GB,
-        bandwidth=4.8 * TB,
-        flops16=989 * TFLOPS,
-        flops32=989 * TFLOPS / 2,
-        link_bandwidth=450 * GB,
-        network_bandwidth=NIC_400G,
-        link_latency_s=10e-6,
-        network_latency_s=20e-6,
-        source="NVIDIA H200 Tensor Core GPU data sheet (SXM): 141 GB HBM3e, 4.8 TB/s, BF16 989 TFLOPS dense, "
-        "NVLink 900 GB/s",
-    ),
-    "b200": DeviceSpec(
-        name="b200",
-        kind="cuda",
-        memory_bytes=180 * GB,
-        bandwidth=8 * TB,
-        flops16=2250 * TFLOPS,
-        flops32=2250 * TFLOPS / 2,
-        link_bandwidth=900 * GB,
-        network_bandwidth=NIC_400G,
-        link_latency_s=10e-6,
-        network_latency_s=20e-6,
-        source="NVIDIA HGX B200 data sheet: 1,440 GB HBM3e and 64 TB/s over 8 GPUs (180 GB, 8 TB/s each), "
-        "BF16 2.25 PFLOPS dense per GPU, NVLink 5 1.8 TB/s per GPU",
-    ),
-    "mi300x": DeviceSpec(
-        name="mi300x",
-        kind="cuda",
-        memory_bytes=192 * GB,
-        bandwidth=5.3 * TB,
-        flops16=1307 * TFLOPS,
-        flops32=1307 * TFLOPS / 2,
-        link_bandwidth=448 * GB,
-        network_bandwidth=NIC_400G,
-        link_latency_s=10e-6,
-        network_latency_s=20e-6,
-        source="AMD Instinct MI300X data sheet: 192 GB HBM3, 5.3 TB/s, BF16 1307.4 TFLOPS dense, "
-        "Infinity Fabric 7 links x 128 GB/s = 896 GB/s peer bandwidth",
-    ),
+    spec.name: spec
+    for spec in (
+        _gpu(
+            "h100",
+            80 * GB,
+            3.35 * TB,
+            989 * TFLOPS,
+            450 * GB,
+            "NVIDIA H100 Tensor Core GPU data sheet (SXM5): 80 GB HBM3, 3.35 TB/s, BF16 989 TFLOPS dense, "
+            "NVLink 900 GB/s",
+        ),
+        _gpu(
+            "h200",
+            141 * GB,
+            4.8 * TB,
+            989 * TFLOPS,
+            450 * GB,
+            "NVIDIA H200 Tensor Core GPU data sheet (SXM): 141 GB HBM3e, 4.8 TB/s, BF16 989 TFLOPS dense, "
+            "NVLink 900 GB/s",
+        ),
+        _gpu(
+            "b200",
+            180 * GB,
+            8 * TB,
+            2250 * TFLOPS,
+            900 * GB,
+            "NVIDIA HGX B200 data sheet: 1,440 GB HBM3e and 64 TB/s over 8 GPUs (180 GB, 8 TB/s each), "
+            "BF16 2.25 PFLOPS dense per GPU, NVLink 5 1.8 TB/s per GPU",
+        ),
+        _gpu(
+            "mi300x",
+            192 * GB,
+            5.3 * TB,
+            1307 * TFLOPS,
+            448 * GB,
+            "AMD Instinct MI300X data sheet: 192 GB HBM3, 5.3 TB/s, BF16 1307.4 TFLOPS dense, "
+            "Infinity Fabric 7 links x 128 GB/s = 896 GB/s peer bandwidth",
+        ),
+    )
 }
 DEVICE_NAMES = (*PRESETS, "cpu", "custom")
 
@@ -151,19 +151,7 @@ def custom(memory: float | None, bandwidth: float | None, flops: float | None, l
             f"--device custom needs {', '.join('--' + m for m in missing)} "
             "(e.g. --memory 80GB --bandwidth 3.35TB/s --flops 989T --link-bandwidth 450GB/s)"
         )
-    return DeviceSpec(
-        name="custom",
-        kind="cuda",
-        memory_bytes=int(memory),
-        bandwidth=bandwidth,
-        flops16=flops,
-        flops32=flops / 2,
-        link_bandwidth=link,
-        network_bandwidth=NIC_400G,
-        link_latency_s=10e-6,
-        network_latency_s=20e-6,
-        source="given on the command line",
-    )
+    return _gpu("custom", memory, bandwidth, flops, link, "given on the command line")
 
 
 def cpu(remeasure: bool = False) -> DeviceSpec:
