@@ -22,6 +22,7 @@ from engine.suggest.figures import Cluster, expert_fraction
 from engine.suggest.hardware import DeviceSpec, parse_figure, preset
 from engine.suggest.models import SHIPPED, planned_model
 from engine.suggest.suggest import Request, plan_yaml, suggest, write_plan
+from tests.conftest import write_config
 
 runner = CliRunner()
 GiB = 2**30
@@ -137,6 +138,29 @@ def test_smollm2_on_cpu_orders_by_shared_memory(no_pulled_models):
     assert any("parallel.tp=2" in " ".join(c.rejected) for c in latency.rejected)
 
 
+def test_multi_node_collectives_and_throughput(no_pulled_models):
+    model = planned_model("deepseek-v3")
+    result = suggest(Request(model, Cluster(preset("h200"), 8, 2), 65536, 32, objective="throughput"))
+    # bf16 DeepSeek-V3 (~1.3 TB) fits only when every rank of the 16 holds 1/16 of it
+    assert {c.check.resolved.world_size for c in result.accepted} == {16}
+    assert all("leave no KV memory" in " ".join(c.rejected) for c in result.rejected if c.plan.parallel.tp < 16)
+    best = result.accepted[0]
+    assert best.plan.launch.nnodes == 2 and best.plan.launch.master_port
+    assert all(x.crosses_nodes for x in best.step.collectives if x.group in ("tp", "world"))
+    rates = [c.tokens_per_s for c in result.accepted if c.serves_concurrency]
+    assert rates == sorted(rates, reverse=True)
+
+
+def test_bare_config_json(tmp_path):
+    folder = write_config(tmp_path / "m", num_attention_heads=8, num_key_value_heads=2)
+    planned = planned_model(str(folder / "config.json"))
+    assert planned.plan_path == str(folder.resolve()) and planned.info.num_kv_heads == 2
+    result = suggest(Request(planned, Cluster(TEST_CPU, 4, 1), 512, 1, kv_memory=2**20))
+    # tp4 over 2 KV heads replicates each twice (R = 2): dcp 2 runs inside the TP group, dcp 4 adds replicas
+    assert _by_layout(result, 4, 2, 1).check.resolved.layout.kind == "tp"
+    assert _by_layout(result, 2, 2, 1).check.resolved.layout.kind == "replica"
+
+
 def test_written_plan_keeps_only_changed_fields(no_pulled_models):
     model = planned_model("smollm2-135m-instruct")
     result = suggest(Request(model, Cluster(TEST_CPU, 2, 1), 1024, 4, kv_memory=GiB))
@@ -207,6 +231,7 @@ def test_bad_input_one_line_errors(tmp_path, no_pulled_models):
         ("deepseek-v2-lite", "--device", "h200", "--context", "0"): "--context 0 must be >= 1",
         ("deepseek-v2-lite", "--device", "h200", "--kv-memory", "0.5"): "must be a size",
         ("deepseek-v2-lite", "--device", "h200", "--write", str(tmp_path)): "is a folder",
+        ("deepseek-v2-lite", "--device", "h200", "--write", str(tmp_path / "x.yaml"), "--pick", "99"): "--pick 99",
         ("deepseek-v3", "--device", "h200", "--context", "999999"): "exceeds the model's max_position_embeddings",
     }
     for args, message in cases.items():
