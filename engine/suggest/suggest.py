@@ -123,11 +123,9 @@ def _ranking(objective: str, c: Candidate) -> tuple:
     return (not c.serves_concurrency, -c.tokens_per_s, c.step.seconds, *simpler)
 
 
-def _dense_choices(replicas: int) -> tuple[str, ...]:
-    """The dense placements a plan can name (the schema's parallel.dense) that differ for this layout."""
-    if "dense" not in _SCHEMA_PARALLEL or replicas == 1:
-        return ("replicated",)
-    return DENSE_PLACEMENTS
+def _dense_choices() -> tuple[str, ...]:
+    """The dense placements a plan can name: the schema's parallel.dense (once it has it), else replicated."""
+    return DENSE_PLACEMENTS if "dense" in _SCHEMA_PARALLEL else ("replicated",)
 
 
 def _plan(req: Request, tp: int, dcp: int, interleave: int, dense: str, memory: str, nnodes: int) -> Plan:
@@ -168,17 +166,18 @@ def _kv_budget(req: Request, weights: int, local_ranks: int) -> int:
     return int(spec.memory_bytes * MEMORY_FRACTION - weights)
 
 
-def _evaluate(req: Request, tp: int, dcp: int, interleave: int, dense: str) -> Candidate:
+def _evaluate(req: Request, tp: int, dcp: int, interleave: int, dense: str) -> Candidate | None:
     cluster = req.cluster
     info = req.model.info
-    rep = kv_replication(tp, info.num_kv_heads, info.is_mla)
-    world = tp * max(1, dcp // rep)
-    nnodes = cluster.nodes_of(world)
-    probe = _plan(req, tp, dcp, interleave, dense, "1GiB", nnodes)
+    probe = _plan(req, tp, dcp, interleave, dense, "1GiB", 1)  # for the layout and dtype checks only
     first = _check(req, probe)
     res = first.resolved
     if res.layout is None:
         return Candidate(probe, first, [e.message for e in first.problems.errors])
+    if dense != "replicated" and res.layout.replicas == 1:
+        return None  # without replica ranks every placement is the replicated one
+    world = res.layout.world_size
+    nnodes = cluster.nodes_of(world)
     if cluster.total % world:
         return Candidate(probe, first, [f"world size {world} does not divide the {cluster.total} devices"])
     if world > cluster.devices and world % cluster.devices:
@@ -221,7 +220,7 @@ def _grid(req: Request) -> list[tuple[int, int, int, str]]:
         for dcp in sorted(set(divisors(rep * total // tp)) | set(divisors(total))):
             interleaves = (1,) if dcp == 1 else sorted({1, block})
             for interleave in interleaves:
-                for dense in _dense_choices(max(1, dcp // rep)):
+                for dense in _dense_choices():
                     combos.append((tp, dcp, interleave, dense))
     return combos
 
@@ -231,7 +230,8 @@ def suggest(req: Request) -> Suggestion:
     accepted, rejected = [], []
     for combo in _grid(req):
         candidate = _evaluate(req, *combo)
-        (accepted if candidate.accepted else rejected).append(candidate)
+        if candidate is not None:
+            (accepted if candidate.accepted else rejected).append(candidate)
     accepted.sort(key=lambda c: _ranking(req.objective, c))
     return Suggestion(req, accepted, rejected)
 
