@@ -1,4 +1,4 @@
-"""`dcpctl plan validate` and `dcpctl plan show`: rendering of plan checks (no torch)."""
+"""`dcpctl plan validate`, `plan show` and `plan suggest`: rendering of plan checks and suggestions (no torch)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,18 @@ from rich.text import Text
 
 from dcpctl.args import split_plans_and_overrides
 from dcpctl.render import render_validation
+from dcpctl.suggest_view import render_suggestion, suggestion_to_dict
 from engine import dcp
+from engine.errors import UserError
 from engine.plan.checks import validate_plan_file
-from engine.plan.kv_sizing import format_bytes
+from engine.plan.kv_sizing import format_bytes, parse_memory
 from engine.plan.loader import plan_to_dict
 from engine.plan.resolved import ResolvedPlan
 from engine.plan.validation import PlanCheck
+from engine.suggest.figures import Cluster
+from engine.suggest.hardware import DEVICE_NAMES, device_spec, parse_figure
+from engine.suggest.models import planned_model
+from engine.suggest.suggest import OBJECTIVES, Request, suggest, write_plan
 
 app = typer.Typer(help="Validate and inspect parallelism plans.", no_args_is_help=True)
 RANK_COLORS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
@@ -175,4 +181,67 @@ def show(
     _render_show(console, check.resolved, positions)
     if not check.valid:
         render_validation(console, [check])
+        raise typer.Exit(1)
+
+
+def _figure(option: str, text: str | None) -> float | None:
+    return None if text is None else parse_figure(option, text)
+
+
+@app.command("suggest")
+def suggest_cmd(
+    model: Annotated[str, typer.Argument(help="A checkpoint folder, a config.json, or a known model name.")],
+    device: Annotated[str, typer.Option(help=f"Device kind: {', '.join(DEVICE_NAMES)}.")] = "cpu",
+    devices: Annotated[int | None, typer.Option(help="Devices per node (default: 8 GPUs, or the CPU's cores).")] = None,
+    nodes: Annotated[int, typer.Option(help="Nodes.")] = 1,
+    context: Annotated[int, typer.Option(help="Tokens per sequence to plan for (prompt + output).")] = 4096,
+    concurrency: Annotated[int, typer.Option(help="Sequences in flight over the whole cluster.")] = 1,
+    dtype: Annotated[str, typer.Option(help="model.dtype of the plans (auto: fp32 on CPU, else bf16).")] = "auto",
+    block_size: Annotated[int, typer.Option(help="cache.block_size of the plans.")] = 64,
+    kv_memory: Annotated[
+        str | None, typer.Option(help="KV bytes per rank (e.g. 1GiB) instead of what is left.")
+    ] = None,
+    optimize: Annotated[str, typer.Option(help=f"Rank by {' | '.join(OBJECTIVES)}.")] = "capacity",
+    memory: Annotated[str | None, typer.Option(help="Memory per device, e.g. 141GB (custom figure).")] = None,
+    bandwidth: Annotated[str | None, typer.Option(help="Memory bandwidth, e.g. 4.8TB/s (custom figure).")] = None,
+    flops: Annotated[str | None, typer.Option(help="Dense 16-bit FLOP/s, e.g. 989T (custom figure).")] = None,
+    link_bandwidth: Annotated[str | None, typer.Option(help="Link bandwidth per rank, e.g. 450GB/s.")] = None,
+    remeasure: Annotated[bool, typer.Option(help="--device cpu: measure again instead of the cached figures.")] = False,
+    show_all: Annotated[bool, typer.Option("--all", help="Also list every rejected combination and why.")] = False,
+    top: Annotated[int, typer.Option(help="Rows of the table.")] = 12,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON.")] = False,
+    write: Annotated[str | None, typer.Option(help="Write the chosen plan as YAML to this file.")] = None,
+    pick: Annotated[int, typer.Option(help="With --write: the row to write (1 = best).")] = 1,
+) -> None:
+    """Every layout the plan checks accept for MODEL on a cluster, with its capacity and a roofline decode step."""
+    spec = device_spec(
+        device,
+        remeasure,
+        memory=_figure("--memory", memory),
+        bandwidth=_figure("--bandwidth", bandwidth),
+        flops=_figure("--flops", flops),
+        link=_figure("--link-bandwidth", link_bandwidth),
+    )
+    kv_bytes = None
+    if kv_memory is not None:
+        kv_bytes, _ = parse_memory(kv_memory)
+        if kv_bytes is None:
+            raise UserError(f"--kv-memory {kv_memory!r} must be a size such as 1GiB, not a fraction")
+    cluster = Cluster(spec, devices if devices is not None else spec.devices_per_node, nodes)
+    request = Request(planned_model(model), cluster, context, concurrency, dtype, block_size, kv_bytes, optimize)
+    result = suggest(request)
+    if write is not None:
+        if not result.accepted:
+            raise UserError("no layout was accepted, so there is no plan to write; --all says why")
+        if not 1 <= pick <= len(result.accepted):
+            raise UserError(f"--pick {pick} is not a row: choose 1..{len(result.accepted)}")
+        written = write_plan(result.accepted[pick - 1], write)
+    if as_json:
+        typer.echo(json.dumps(suggestion_to_dict(result), indent=2))
+    else:
+        console = Console()
+        render_suggestion(console, result, top, show_all)
+        if write is not None:
+            console.print(f"wrote {written} ({result.accepted[pick - 1].name}); check it with `dcpctl plan validate`")
+    if not result.accepted:
         raise typer.Exit(1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "DeepseekV2ForCausalLM",
 )
+# Architectures `plan suggest` sizes by their shape (the engine does not run them): DeepSeek-V3 is DeepSeek-V2's MLA
+# and MoE shape with more of each.
+PLANNING_ARCHITECTURES = (*SUPPORTED_ARCHITECTURES, "DeepseekV3ForCausalLM")
+_MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 _DTYPE_BYTES = {
     "float32": 4,
@@ -61,6 +66,7 @@ class ModelInfo:
     moe_intermediate_size: int = 0
     n_routed_experts: int = 0
     n_shared_experts: int = 0
+    experts_per_token: int = 0  # routed experts each token goes through (num_experts_per_tok)
     first_k_dense_replace: int = 0  # MLA models: the first k decoder layers have a dense MLP, the rest MoE
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # GQA: q/k/v projections; MLA: q_a_proj and kv_a_proj_with_mqa
@@ -125,14 +131,13 @@ def read_config(folder: Path) -> dict:
     return config
 
 
-def architecture_of(config: dict, where: Path) -> str:
+def architecture_of(config: dict, where: Path, supported: tuple[str, ...] = SUPPORTED_ARCHITECTURES) -> str:
     """The single supported architecture a config names, or a UserError listing the supported ones."""
     archs = config.get("architectures") or []
     arch = archs[0] if archs else ""
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in supported:
         raise UserError(
-            f"{where}: unsupported architecture {arch or '(none given)'!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{where}: unsupported architecture {arch or '(none given)'!r}; supported: {', '.join(supported)}"
         )
     return arch
 
@@ -142,10 +147,19 @@ def read_model_info(folder: str | Path) -> ModelInfo:
     folder = Path(folder)
     config = read_config(folder)
     arch = architecture_of(config, folder / "config.json")
+    return model_info_from_config(config, folder, arch, lambda: sum(size for _, _, size in safetensors_entries(folder)))
+
+
+def model_info_from_config(
+    config: dict, folder: Path, arch: str, weight_bytes: Callable[[], int] = lambda: 0
+) -> ModelInfo:
+    """The ModelInfo of a parsed config.json whose architecture `arch` was checked; `weight_bytes` sizes the
+    stored tensors (0: no weights, e.g. a bare config.json)."""
+    where = folder / "config.json"
     try:
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
-        is_mla = arch == "DeepseekV2ForCausalLM"
+        is_mla = arch in _MLA_ARCHITECTURES
         head_dim = int(config.get("head_dim") or hidden // heads)
         kv_heads = 1 if is_mla else int(config.get("num_key_value_heads") or heads)
         attention_bias = bool(config.get("attention_bias"))
@@ -170,13 +184,14 @@ def read_model_info(folder: str | Path) -> ModelInfo:
             moe_intermediate_size=int(config.get("moe_intermediate_size") or 0),
             n_routed_experts=int(config.get("n_routed_experts") or 0) if is_mla else 0,
             n_shared_experts=int(config.get("n_shared_experts") or 0) if is_mla else 0,
+            experts_per_token=int(config.get("num_experts_per_tok") or 0) if is_mla else 0,
             first_k_dense_replace=int(config.get("first_k_dense_replace") or 0) if is_mla else 0,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
             o_bias=attention_bias,
             mlp_bias=bool(config.get("mlp_bias")) and not is_mla,
-            weight_bytes=sum(size for _, _, size in safetensors_entries(folder)),
+            weight_bytes=weight_bytes(),
         )
     except (KeyError, TypeError, ValueError) as exc:
-        raise UserError(f"{folder / 'config.json'}: missing or malformed field {exc}") from None
+        raise UserError(f"{where}: missing or malformed field {exc}") from None
     return info

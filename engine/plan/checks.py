@@ -262,7 +262,7 @@ def _check_kv(problems: PlanProblems, res: ResolvedPlan, info: ModelInfo) -> Non
         )
 
 
-def _check_devices(problems: PlanProblems, res: ResolvedPlan) -> None:
+def _check_devices(problems: PlanProblems, res: ResolvedPlan, here: bool) -> None:
     plan = res.plan
     world = res.world_size
     if world is None:
@@ -283,6 +283,8 @@ def _check_devices(problems: PlanProblems, res: ResolvedPlan) -> None:
         )
         return
     local = res.local_world_size
+    if not here:
+        return
     if res.device == "cuda":
         gpus = devices.cuda_device_count()
         if gpus < local:
@@ -334,13 +336,21 @@ def _read_model(problems: PlanProblems, res: ResolvedPlan, strict: bool) -> Mode
     return None
 
 
-def check_plan(loaded: LoadedPlan, strict: bool = False) -> PlanCheck:
-    """Validate a loaded plan against every rule; never raises for a bad plan."""
+def check_plan(
+    loaded: LoadedPlan, strict: bool = False, model: ModelInfo | None = None, devices_here: bool = True
+) -> PlanCheck:
+    """Validate a loaded plan against every rule; never raises for a bad plan.
+
+    `model`: the model's facts when they are known without its folder (`plan suggest` plans for shipped
+    architectures). `devices_here=False` checks the plan for the cluster it names, not this machine's GPUs and cores.
+    """
     plan = loaded.plan
     problems = PlanProblems(where=loaded.where)
     res = ResolvedPlan(source=str(loaded.source), plan=plan)
     res.device = devices.resolve_device(plan.launch.device) if plan.launch.device in DEVICES else "cpu"
-    res.model = info = _read_model(problems, res, strict)
+    if model is not None:
+        res.model_path = resolve_model_path(plan.model.path)
+    res.model = info = model if model is not None else _read_model(problems, res, strict)
     if info is not None:
         _check_model(problems, res, info)
     _resolve_dtypes(res)
@@ -350,7 +360,7 @@ def check_plan(loaded: LoadedPlan, strict: bool = False) -> PlanCheck:
     _resolve_cpu_comm(problems, res)
     if info is not None:
         _check_kv(problems, res, info)
-    _check_devices(problems, res)
+    _check_devices(problems, res, devices_here)
     return PlanCheck(source=res.source, name=plan.name, problems=problems, resolved=res)
 
 

@@ -12,30 +12,10 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-COPY_BYTES = 256 * 2**20  # well beyond the last-level cache of the CPUs and GPUs this runs on
-
-
-def copy_bandwidth(device: str = "cpu", size_bytes: int = COPY_BYTES, repeats: int = 5) -> float:
-    """Measured memory bandwidth in bytes/s: 2 * size / (best time of a `size_bytes` tensor copy)."""
-    import torch
-
-    n = size_bytes // 4
-    src = torch.ones(n, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    dst.copy_(src)  # first touch: page faults / allocation are not bandwidth
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return 2 * n * 4 / best
+from engine.suggest.measure import COPY_BYTES, copy_bandwidth
 
 
 def copy_bandwidth_subprocess(device: str = "cpu", timeout_s: float = 120.0) -> float:

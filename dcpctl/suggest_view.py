@@ -1,0 +1,203 @@
+"""`dcpctl plan suggest` rendering: the ranked table, the top layout's collectives, the rejections, and JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from engine.plan.kv_sizing import format_bytes
+from engine.suggest.suggest import Candidate, Suggestion
+
+
+def _layout(c: Candidate) -> str:
+    p = c.plan.parallel
+    kind = c.check.resolved.layout.kind
+    dense = getattr(p, "dense", "replicated")
+    text = f"tp{p.tp} dcp{p.dcp}"
+    if p.dcp > 1:
+        text += f" i{p.interleave}" + (" rep" if kind == "replica" else "")
+    if dense == "sharded" and c.placement is not None and c.placement.sharded:
+        text += " sharded"
+    return text
+
+
+BOUND_SHORT = {"memory": "mem", "compute": "compute", "communication": "comm"}
+
+
+def _count(n: int) -> str:
+    for scale, unit in ((10**9, "G"), (10**6, "M"), (10**3, "k")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
+def _rate(bytes_s: float) -> str:
+    return f"{bytes_s / 1e12:.3g} TB/s" if bytes_s >= 1e12 else f"{bytes_s / 1e9:.3g} GB/s"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g}"
+
+
+def render_suggestion(console: Console, s: Suggestion, top: int, show_rejected: bool) -> None:
+    """The accepted layouts best first (at most `top`), the first one's collectives, and with `show_rejected` why
+    every other combination was rejected."""
+    req = s.request
+    spec, cluster = req.cluster.spec, req.cluster
+    console.print(
+        f"[bold]{req.model.info.architecture}[/] from {req.model.origin}; {cluster.total} x {spec.name}"
+        + (f" ({cluster.nodes} nodes)" if cluster.nodes > 1 else "")
+        + f"; context {req.context} tokens, concurrency {req.concurrency}; best first for [bold]{req.objective}[/]",
+        highlight=False,
+    )
+    console.print(
+        f"device: {format_bytes(spec.memory_bytes)}, memory {_rate(spec.bandwidth)}, "
+        f"{spec.flops(2) / 1e12:.3g} TFLOP/s 16-bit, link {_rate(spec.link_bandwidth)}; {spec.source}",
+        style="dim",
+        highlight=False,
+    )
+    if not req.model.runnable:
+        console.print(
+            f"[yellow]note[/] the engine does not run {req.model.info.architecture} yet; it is planned by its shape"
+        )
+    table = Table(header_style="bold")
+    for column in ("#", "layout", "world", "weights/rank", "KV B/tok/rank", "tokens", f"seqs@{req.context}"):
+        table.add_column(column, justify="left" if column == "layout" else "right")
+    for column in ("step ms", "bound", "tok/s"):
+        table.add_column(column, justify="left" if column == "bound" else "right")
+    for i, c in enumerate(s.accepted[:top], 1):
+        kv = c.check.resolved.kv
+        world = str(c.check.resolved.world_size) + (f"x{c.copies}" if c.copies > 1 else "")
+        seqs = str(c.seqs_at_context) + ("" if c.serves_concurrency else " [red]<C[/]")
+        table.add_row(
+            str(i),
+            _layout(c),
+            world,
+            format_bytes(c.weight_bytes_per_rank),
+            f"{c.kv_bytes_per_token_per_rank:,.0f}",
+            _count(kv.token_capacity),
+            seqs,
+            _ms(c.step.seconds),
+            BOUND_SHORT[c.step.bound],
+            f"{c.tokens_per_s:,.0f}",
+        )
+    if s.accepted:
+        console.print(table)
+    hidden = len(s.accepted) - min(top, len(s.accepted))
+    if hidden:
+        console.print(f"{hidden} more accepted layout(s): --top {len(s.accepted)} shows them", style="dim")
+    if s.accepted:
+        _render_collectives(console, s.accepted[0])
+    if not s.accepted:
+        console.print("[red]no layout the plan checks accept[/] for this model, cluster and context:")
+    if show_rejected or not s.accepted:
+        _render_rejected(console, s)
+    elif s.rejected:
+        console.print(f"{len(s.rejected)} combination(s) rejected by the plan checks: --all says why", style="dim")
+
+
+def _render_collectives(console: Console, c: Candidate) -> None:
+    step = c.step
+    console.print(
+        f"#1 {c.name}: step {_ms(step.seconds)} ms = max(memory {_ms(step.memory_s)}, compute {_ms(step.compute_s)}) "
+        f"+ collectives {_ms(step.comm_s)} + host {_ms(step.overhead_s)} at {c.batch} sequence(s) per engine",
+        highlight=False,
+    )
+    if not step.collectives:
+        console.print("  no collectives (one rank)", style="dim")
+    for x in step.collectives:
+        where = " across nodes" if x.crosses_nodes else ""
+        console.print(
+            f"  {x.where}: {x.op} over {x.group} ({x.ranks} ranks{where}), {x.count} per step, "
+            f"{format_bytes(x.bytes_per_step)} sent per rank, {_ms(x.seconds)} ms",
+            highlight=False,
+        )
+
+
+def _render_rejected(console: Console, s: Suggestion) -> None:
+    if not s.rejected:
+        console.print("no combination was rejected", style="dim")
+        return
+    table = Table(title="Rejected", header_style="bold")
+    table.add_column("plan")
+    table.add_column("why")
+    for c in s.rejected:
+        table.add_row(c.name, "\n".join(c.rejected))
+    console.print(table)
+
+
+def suggestion_to_dict(s: Suggestion) -> dict[str, Any]:
+    """Everything the table shows, and the rejections, as JSON-ready data."""
+    req, spec = s.request, s.request.cluster.spec
+    return {
+        "model": {"path": req.model.plan_path, "architecture": req.model.info.architecture, "origin": req.model.origin},
+        "device": {
+            "name": spec.name,
+            "devices": req.cluster.devices,
+            "nodes": req.cluster.nodes,
+            "memory_bytes": spec.memory_bytes,
+            "bandwidth_bytes_s": spec.bandwidth,
+            "flops_16bit": spec.flops16,
+            "flops_fp32": spec.flops32,
+            "link_bandwidth_bytes_s": spec.link_bandwidth,
+            "source": spec.source,
+        },
+        "context": req.context,
+        "concurrency": req.concurrency,
+        "objective": req.objective,
+        "accepted": [_candidate(c) for c in s.accepted],
+        "rejected": [{"plan": c.name, **_parallel(c), "reasons": c.rejected} for c in s.rejected],
+    }
+
+
+def _parallel(c: Candidate) -> dict[str, Any]:
+    p = c.plan.parallel
+    return {"tp": p.tp, "dcp": p.dcp, "interleave": p.interleave, "dense": getattr(p, "dense", "replicated")}
+
+
+def _candidate(c: Candidate) -> dict[str, Any]:
+    res, step = c.check.resolved, c.step
+    return {
+        "plan": c.name,
+        **_parallel(c),
+        "block_size": c.plan.cache.block_size,
+        "layout": res.layout.kind,
+        "world_size": res.world_size,
+        "copies": c.copies,
+        "nnodes": c.plan.launch.nnodes,
+        "dtype": res.dtype,
+        "weight_bytes_per_rank": c.weight_bytes_per_rank,
+        "kv_bytes_per_rank": res.kv.bytes_per_rank,
+        "kv_bytes_per_token_per_rank": c.kv_bytes_per_token_per_rank,
+        "blocks_per_rank": res.kv.num_blocks,
+        "token_capacity": res.kv.token_capacity,
+        "seqs_at_context": c.seqs_at_context,
+        "batch": c.batch,
+        "serves_concurrency": c.serves_concurrency,
+        "step_s": step.seconds,
+        "step": {
+            "memory_s": step.memory_s,
+            "compute_s": step.compute_s,
+            "comm_s": step.comm_s,
+            "overhead_s": step.overhead_s,
+            "bytes_read": step.bytes_read,
+            "flops": step.flops,
+            "bound": step.bound,
+        },
+        "collectives": [
+            {
+                "where": x.where,
+                "op": x.op,
+                "group": x.group,
+                "ranks": x.ranks,
+                "per_step": x.count,
+                "bytes_per_step": x.bytes_per_step,
+                "crosses_nodes": x.crosses_nodes,
+                "seconds": x.seconds,
+            }
+            for x in step.collectives
+        ],
+        "tokens_per_s": c.tokens_per_s,
+    }

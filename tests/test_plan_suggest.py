@@ -1,0 +1,284 @@
+"""`dcpctl plan suggest`: every suggestion is a plan `plan validate` accepts, capacity is what the engine allocates,
+and the ranking follows the facts that decide it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+from typer.testing import CliRunner
+
+from dcpctl.cli import app
+from engine import devices
+from engine.checkpoints.aliases import KNOWN_ALIASES
+from engine.errors import UserError
+from engine.plan.checks import validate_plan_file
+from engine.suggest import measure
+from engine.suggest.figures import Cluster, expert_fraction
+from engine.suggest.hardware import DeviceSpec, parse_figure, preset
+from engine.suggest.models import SHIPPED, planned_model
+from engine.suggest.suggest import Request, plan_yaml, suggest, write_plan
+from tests.conftest import write_config
+
+runner = CliRunner()
+GiB = 2**30
+CONTEXT_128K = 131072
+
+# A CPU node as `cpu` measures one, with fixed figures (tests must not depend on this machine's load).
+TEST_CPU = DeviceSpec(
+    name="cpu",
+    kind="cpu",
+    memory_bytes=8 * GiB,
+    bandwidth=20e9,
+    flops16=50e9,
+    flops32=50e9,
+    link_bandwidth=10e9,
+    network_bandwidth=50e9,
+    link_latency_s=200e-6,
+    network_latency_s=200e-6,
+    source="test figures",
+    layer_overhead_s=0.3e-3,
+    shared=True,
+    devices_per_node=2,
+)
+
+
+@pytest.fixture
+def no_pulled_models(tmp_path, monkeypatch):
+    """Shipped names resolve to their shipped facts, not to a folder pulled on this machine."""
+    monkeypatch.setenv("DCPCTL_CACHE", str(tmp_path / "models"))
+
+
+def _by_layout(result, tp, dcp, interleave=None):
+    for c in result.accepted:
+        p = c.plan.parallel
+        if (p.tp, p.dcp) == (tp, dcp) and interleave in (None, p.interleave):
+            return c
+    raise AssertionError(f"tp{tp} dcp{dcp} not accepted")
+
+
+def _validate_written(candidate, tmp_path):
+    path = write_plan(candidate, tmp_path / f"{candidate.name}.yaml")
+    return validate_plan_file(path)
+
+
+def test_deepseek_v2_lite_on_8_h200_at_128k(tmp_path, monkeypatch, no_pulled_models):
+    model = planned_model("deepseek-v2-lite")
+    cluster = Cluster(preset("h200"), 8, 1)
+    capacity = suggest(Request(model, cluster, CONTEXT_128K, 16, objective="capacity"))
+
+    # tp8 dcp8 holds the most: the weights per rank of tp8 dcp1, and 1/8 of the latent cache per rank
+    best = capacity.accepted[0]
+    assert (best.plan.parallel.tp, best.plan.parallel.dcp) == (8, 8)
+    no_dcp = _by_layout(capacity, 8, 1)
+    assert best.weight_bytes_per_rank == no_dcp.weight_bytes_per_rank
+    assert best.kv_bytes_per_token_per_rank * 8 == no_dcp.kv_bytes_per_token_per_rank
+    assert best.check.resolved.kv.token_capacity == 8 * no_dcp.check.resolved.kv.token_capacity
+    # the replica layouts hold less in the same memory: each of their ranks keeps more of the weights
+    replica = _by_layout(capacity, 1, 8)
+    assert replica.check.resolved.layout.kind == "replica"
+    assert replica.weight_bytes_per_rank > best.weight_bytes_per_rank
+    assert replica.check.resolved.kv.token_capacity < best.check.resolved.kv.token_capacity
+    assert not capacity.rejected  # MLA: every tp / dcp of 8 devices is a valid layout
+
+    # latency among the 8-rank engines: tp8 dcp8 reads the fewest bytes per step (weights / 8 and KV / 8)
+    latency = suggest(Request(model, cluster, CONTEXT_128K, 16, objective="latency"))
+    eight = [c for c in latency.accepted if c.check.resolved.world_size == 8]
+    assert (eight[0].plan.parallel.tp, eight[0].plan.parallel.dcp) == (8, 8)
+    assert eight[0].step.bytes_read == min(c.step.bytes_read for c in eight)
+    assert eight[0].step.bound == "memory"
+    assert [c.step.seconds for c in latency.accepted] == sorted(c.step.seconds for c in latency.accepted)
+
+    # every suggestion is a plan `plan validate` accepts unchanged, on a machine with the 8 GPUs it names
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 8)
+    for candidate in capacity.accepted:
+        check = _validate_written(candidate, tmp_path)
+        assert check.valid, (candidate.name, check.problems.errors)
+
+
+def test_gqa_rejections_name_the_rule(no_pulled_models):
+    result = suggest(Request(planned_model("qwen2.5-7b-instruct"), Cluster(preset("h100"), 8, 1), 32768, 8))
+    reasons = {c.name: " ".join(c.rejected) for c in result.rejected}
+    assert "does not divide the model's 28 attention heads" in reasons["qwen2_5-7b-instruct_tp8_dcp1"]
+    assert "world size 16 does not divide the 8 devices" in reasons["qwen2_5-7b-instruct_tp4_dcp4_i1"]
+    # tp4 holds one of the 4 KV heads per rank (R = 1), so DCP needs replica ranks
+    assert _by_layout(result, 4, 2).check.resolved.layout.kind == "replica"
+
+
+def test_smollm2_on_cpu_orders_by_shared_memory(no_pulled_models):
+    model = planned_model("smollm2-135m-instruct")
+    cluster = Cluster(TEST_CPU, 2, 1)
+    latency = suggest(Request(model, cluster, 2048, 8, objective="latency"))
+    one, two = _by_layout(latency, 1, 1), _by_layout(latency, 1, 2, 1)
+    assert latency.accepted[0] is one
+    # dcp 2 runs replica ranks on the same memory and cores: both read all the weights, and each layer adds the
+    # DCP combine (an LSE all-gather and a reduce-scatter)
+    assert two.weight_bytes_per_rank == one.weight_bytes_per_rank
+    assert two.step.bytes_read > one.step.bytes_read
+    assert sum(c.count for c in two.step.collectives) == 2 * model.info.num_layers
+    assert not one.step.collectives
+
+    # capacity: on a shared memory the replica's second copy of the weights costs KV room ...
+    capacity = suggest(Request(model, cluster, 2048, 8, objective="capacity"))
+    assert capacity.accepted[0] is not None
+    cap = {c.plan.parallel.dcp: c.check.resolved.kv.token_capacity for c in capacity.accepted}
+    assert cap[1] > cap[2]
+    # ... while at a fixed KV budget per rank (the shipped CPU plans' 1GiB) dcp 2 holds exactly twice the tokens
+    fixed = suggest(Request(model, cluster, 2048, 8, kv_memory=GiB, objective="capacity"))
+    assert fixed.accepted[0].plan.parallel.dcp == 2
+    assert (
+        fixed.accepted[0].check.resolved.kv.token_capacity
+        == 2 * _by_layout(fixed, 1, 1).check.resolved.kv.token_capacity
+    )
+    # tp 2 or 3 cannot split 3 KV heads over 2 cores' ranks
+    assert any("parallel.tp=2" in " ".join(c.rejected) for c in latency.rejected)
+
+
+def test_multi_node_collectives_and_throughput(no_pulled_models):
+    model = planned_model("deepseek-v3")
+    result = suggest(Request(model, Cluster(preset("h200"), 8, 2), 65536, 32, objective="throughput"))
+    # bf16 DeepSeek-V3 (~1.3 TB) fits only when every rank of the 16 holds 1/16 of it
+    assert {c.check.resolved.world_size for c in result.accepted} == {16}
+    assert all("leave no KV memory" in " ".join(c.rejected) for c in result.rejected if c.plan.parallel.tp < 16)
+    best = result.accepted[0]
+    assert best.plan.launch.nnodes == 2 and best.plan.launch.master_port
+    assert all(x.crosses_nodes for x in best.step.collectives if x.group in ("tp", "world"))
+    rates = [c.tokens_per_s for c in result.accepted if c.serves_concurrency]
+    assert rates == sorted(rates, reverse=True)
+
+
+def test_bare_config_json(tmp_path):
+    folder = write_config(tmp_path / "m", num_attention_heads=8, num_key_value_heads=2)
+    planned = planned_model(str(folder / "config.json"))
+    assert planned.plan_path == str(folder.resolve()) and planned.info.num_kv_heads == 2
+    result = suggest(Request(planned, Cluster(TEST_CPU, 4, 1), 512, 1, kv_memory=2**20))
+    # tp4 over 2 KV heads replicates each twice (R = 2): dcp 2 runs inside the TP group, dcp 4 adds replicas
+    assert _by_layout(result, 4, 2, 1).check.resolved.layout.kind == "tp"
+    assert _by_layout(result, 2, 2, 1).check.resolved.layout.kind == "replica"
+
+
+def test_written_plan_keeps_only_changed_fields(no_pulled_models):
+    model = planned_model("smollm2-135m-instruct")
+    result = suggest(Request(model, Cluster(TEST_CPU, 2, 1), 1024, 4, kv_memory=GiB))
+    text = plan_yaml(result.accepted[0])
+    assert "path: smollm2-135m-instruct" in text
+    assert f"memory: {GiB}B" in text and "max_model_len: 1024" in text
+    assert "serve:" not in text  # defaults are left out
+
+
+def test_moe_expert_fraction():
+    info = planned_model("deepseek-v2-lite").info
+    assert expert_fraction(info, 1) == pytest.approx(6 / 64)
+    assert expert_fraction(info, 10**6) == pytest.approx(1.0)
+    assert expert_fraction(planned_model("llama-3.1-8b-instruct").info, 4) == 1.0
+
+
+def test_shipped_models_parse(no_pulled_models):
+    for name, shipped in SHIPPED.items():
+        planned = planned_model(name)
+        assert planned.plan_path in (name, shipped.repo_id)
+        assert planned.info.num_layers > 0
+    v3 = planned_model("deepseek-ai/DeepSeek-V3")
+    assert v3.info.is_mla and not v3.runnable
+    assert v3.info.kv_bytes_per_token(1, 2) == 61 * (512 + 64) * 2
+
+
+def test_figures_parse():
+    assert parse_figure("--bandwidth", "4.8TB/s") == pytest.approx(4.8e12)
+    assert parse_figure("--memory", "80GiB") == 80 * GiB
+    assert parse_figure("--flops", "989T") == pytest.approx(989e12)
+    with pytest.raises(UserError, match="--memory 'lots'"):
+        parse_figure("--memory", "lots")
+
+
+def test_cpu_figures_come_from_the_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "cpu.json"
+    monkeypatch.setenv("DCPCTL_CPU_FIGURES", str(cache))
+    figures = {"bandwidth": 1.5e10, "flops32_per_core": 2e10, "collective_latency_s": 1e-4}
+    cache.write_text(json.dumps({"machine": measure.machine_key(), "figures": figures}))
+    assert measure.cpu_figures() == figures
+    # another machine's figures are not reused
+    cache.write_text(json.dumps({"machine": {**measure.machine_key(), "cpu": "other"}, "figures": figures}))
+    monkeypatch.setattr(measure.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("measured")))
+    with pytest.raises(RuntimeError, match="measured"):
+        measure.cpu_figures()
+
+
+def test_cli_table_json_and_write(tmp_path, monkeypatch, no_pulled_models):
+    out = tmp_path / "best.yaml"
+    args = ["plan", "suggest", "deepseek-v2-lite", "--device", "h200", "--context", "131072", "--concurrency", "16"]
+    shown = runner.invoke(app, [*args, "--write", str(out), "--all"], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0, shown.output
+    assert "tp8 dcp8" in shown.output and "no combination was rejected" in shown.output
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 8)
+    check = validate_plan_file(out)
+    assert check.valid and (check.resolved.plan.parallel.tp, check.resolved.plan.parallel.dcp) == (8, 8)
+    data = json.loads(runner.invoke(app, [*args, "--json"]).output)
+    first = data["accepted"][0]
+    assert (first["tp"], first["dcp"], first["world_size"]) == (8, 8, 8)
+    assert {c["where"] for c in first["collectives"]} >= {"attention: combine", "o_proj"}
+
+
+def test_bad_input_one_line_errors(tmp_path, no_pulled_models):
+    cases = {
+        ("no-such-model",): "is not a checkpoint folder, a config.json or a known model",
+        ("deepseek-v2-lite", "--device", "h20"): "did you mean 'h200'",
+        ("deepseek-v2-lite", "--device", "custom", "--memory", "80GB"): "--device custom needs --bandwidth",
+        ("deepseek-v2-lite", "--device", "h200", "--context", "0"): "--context 0 must be >= 1",
+        ("deepseek-v2-lite", "--device", "h200", "--kv-memory", "0.5"): "must be a size",
+        ("deepseek-v2-lite", "--device", "h200", "--write", str(tmp_path)): "is a folder",
+        ("deepseek-v2-lite", "--device", "h200", "--write", str(tmp_path / "x.yaml"), "--pick", "99"): "--pick 99",
+        ("deepseek-v3", "--device", "h200", "--context", "999999"): "exceeds the model's max_position_embeddings",
+    }
+    for args, message in cases.items():
+        result = runner.invoke(app, ["plan", "suggest", *args])
+        if "999999" in args:  # every layout rejected: the table says why, exit 1
+            assert result.exit_code == 1 and "no layout" in result.output, result.output
+            continue
+        assert isinstance(result.exception, UserError), (args, result.output)
+        assert message in str(result.exception) and "\n" not in str(result.exception), args
+    # through the console entry point: one line on stderr, exit 1, no traceback
+    env = dict(os.environ, DCPCTL_CACHE=str(tmp_path / "models"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "dcpctl.cli", "plan", "suggest", "no-such-model"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().count("\n") == 0 and proc.stderr.startswith("error: model 'no-such-model'")
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_suggested_capacity_is_what_the_engine_allocates(tmp_path, tiny_models, dcp):
+    """The plan a suggestion writes (its KV budget derived from the device's memory) makes the engine allocate
+    exactly the blocks and bytes the suggestion shows."""
+    folder = tiny_models("llama", num_kv_heads=1)
+    spec = replace(TEST_CPU, memory_bytes=96 * 2**20)
+    result = suggest(Request(planned_model(str(folder)), Cluster(spec, 2, 1), 256, 2, block_size=16))
+    candidate = _by_layout(result, 1, dcp, 16 if dcp > 1 else None)
+    check = _validate_written(candidate, tmp_path)
+    assert check.valid, check.problems.errors
+    stats_dir = tmp_path / "stats"
+    env = dict(os.environ, DCPCTL_RANK_STATS_DIR=str(stats_dir))
+    plan = tmp_path / f"{candidate.name}.yaml"
+    cmd = [sys.executable, "-m", "dcpctl.cli", "run", str(plan), "--prompt", "hello", "--max-tokens", "2"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    stats = [json.loads(p.read_text()) for p in sorted(stats_dir.glob("rank*.json"))]
+    kv = candidate.check.resolved.kv
+    assert len(stats) == candidate.check.resolved.world_size
+    assert {s["num_blocks"] for s in stats} == {kv.num_blocks}
+    assert {s["kv_cache_bytes"] for s in stats} == {kv.bytes_per_rank}
+    assert kv.num_blocks * 16 * dcp == kv.token_capacity
+
+
+def test_known_aliases_are_shipped():
+    assert set(KNOWN_ALIASES) <= set(SHIPPED)
