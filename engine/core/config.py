@@ -9,6 +9,7 @@ from pathlib import Path
 from engine.checkpoints.model_info import ModelInfo
 from engine.core.scheduler import SchedulerConfig
 from engine.errors import UserError
+from engine.kv_transfer.handles import KVRole
 from engine.parallel_layout import ParallelLayout
 from engine.plan.kv_sizing import parse_memory
 from engine.plan.report import PlanReport
@@ -35,9 +36,10 @@ class EngineConfig:
     prefix_caching: bool
     threads_per_rank: int
     local_world_size: int  # ranks on this node, which share its cores
+    kv_role: KVRole | None = None  # P/D: this instance's part in the hand-off
 
     @classmethod
-    def from_report(cls, report: PlanReport) -> EngineConfig:
+    def from_report(cls, report: PlanReport, kv_role: KVRole | None = None) -> EngineConfig:
         """The engine's slice of a valid plan whose model folder is here; a UserError says why not otherwise."""
         report.require_valid()
         if report.missing_model:
@@ -68,4 +70,5 @@ class EngineConfig:
             prefix_caching=plan.cache.prefix_caching,
             threads_per_rank=plan.launch.threads_per_rank,
             local_world_size=report.local_world_size,
+            kv_role=kv_role,
         )
