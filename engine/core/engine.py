@@ -138,6 +138,14 @@ class LLMEngine:
         if seq is not None and not seq.is_finished:
             self._finish(seq, "abort", flush=False)  # nobody reads its text: nothing to detokenize (or fail)
 
+    def housekeeping(self) -> float | None:
+        """Free the exports whose lease ran out; seconds until the next one does (None: nothing to wait for)."""
+        exports = self.handoff.exports
+        if exports is None:
+            return None
+        exports.expire()
+        return exports.next_expiry_s()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
