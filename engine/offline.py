@@ -164,6 +164,7 @@ def _token_id(name: str) -> int:
 def _http_record(prompt: str | list[int], response: httpx.Response, latency: float) -> dict:
     """A completions response as an offline record (what `_record` writes for an engine's output)."""
     from engine.llm import RequestOutput  # not at the top: the engine (torch) is not needed to talk to a server
+
     text_prompt = prompt if isinstance(prompt, str) else None
     try:
         body = response.json()

@@ -203,3 +203,11 @@ def test_replicated_prefill_groups_are_spread_over_decode_ranks():
     src = ParallelLayout.build(2, 1, 4, 1, True)  # MLA tp2: both ranks hold the whole latent
     dst = ParallelLayout.build(2, 2, 4, 1, True)
     assert [kv_head_sources(src, dst, r)[0].src_ranks for r in range(2)] == [(0,), (1,)]
+
+
+@pytest.mark.parametrize("name", ["torch", "cpu", "triton"])
+def test_the_layout_table_knows_which_backends_read_a_head_major_cache(name):
+    from engine.attention.kv_layout import HEAD_MAJOR_BACKENDS
+    from engine.attention.registry import create_backend
+
+    assert create_backend(name).head_major_cache == (name in HEAD_MAJOR_BACKENDS)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+HEAD_MAJOR_BACKENDS = frozenset({"torch", "cpu"})  # attention backends that read a head-major cache (cpu: torch's)
+
 
 def storage_shape(
     layers: int, kinds: int, num_blocks: int, block_size: int, heads: int, dim: int, head_major: bool
