@@ -90,6 +90,11 @@ class LLM:
 
     def __init__(self, plan: str | Path | PlanReport, overrides: list[str] | None = None):
         report = resolve_report(plan, overrides)
+        if report.disagg is not None:
+            raise UserError(
+                f"plan {report.name} is a P/D plan (two instances and a router): run it with "
+                f"`dcpctl run {report.source}`, or use its prefill or decode plan here"
+            )
         if report.layout is not None and report.layout.world_size > 1 and "RANK" not in os.environ:
             raise UserError(
                 f"plan {report.name} needs {report.layout.world_size} ranks: run it with "

@@ -318,6 +318,11 @@ def check_plan(loaded: LoadedPlan, strict: bool = False) -> PlanReport:
     if info is not None:
         _check_kv(report, plan, info)
     _check_devices(report, plan)
+    if plan.disagg.prefill is not None:
+        from engine.plan import disagg  # P/D plans only
+
+        prefill = validate_plan_file(disagg.prefill_file(loaded), loaded.prefill_overrides, strict=strict)
+        report.disagg = disagg.check_pair(report, report, prefill)
     return report
 
 

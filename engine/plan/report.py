@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.checkpoints.model_info import ModelInfo
 from engine.errors import UserError
@@ -17,6 +18,9 @@ from engine.parallel_layout import ParallelLayout
 from engine.plan.kv_sizing import KVSizing
 from engine.plan.loader import LoadedPlan, PlanProblem
 from engine.plan.schema import Plan
+
+if TYPE_CHECKING:
+    from engine.plan.disagg import DisaggPlan
 
 
 @dataclass
@@ -40,6 +44,7 @@ class PlanReport:
     max_model_len: int | None = None
     kv_budget_bytes: int | None = None
     cpu_paths: CpuPaths | None = None  # CPU plans: the ISA level and the kernels chosen from it
+    disagg: DisaggPlan | None = None  # P/D plans: the deployment (this plan is its decode side)
 
     @property
     def valid(self) -> bool:

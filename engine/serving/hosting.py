@@ -25,6 +25,7 @@ from engine.serving.openai_app import OpenAIServer
 
 if TYPE_CHECKING:
     from engine.core.engine import LLMEngine
+    from engine.kv_transfer.handles import KVRole
     from engine.plan.report import PlanReport
 
 logger = logging.getLogger("dcpctl.server")
@@ -130,11 +131,12 @@ def serve_engine(engine: LLMEngine, host: str, port: int, model_name: str) -> No
         engine_loop.stop()
 
 
-def serve_plan(report: PlanReport) -> None:
-    """Every rank of `dcpctl run PLAN`: rank 0 serves the API; the other ranks follow its steps until it stops."""
+def serve_plan(report: PlanReport, kv_role: KVRole | None = None) -> None:
+    """Every rank of `dcpctl run PLAN`: rank 0 serves the API; the other ranks follow its steps until it stops.
+    `kv_role`: the instance's part in a P/D deployment."""
     from engine.core.startup import start_engine
 
-    engine = start_engine(report, shield_followers=True)
+    engine = start_engine(report, shield_followers=True, kv_role=kv_role)
     if engine is None:
         return
     serve = report.plan.serve

@@ -1,0 +1,188 @@
+"""P/D plans: a decode plan whose `disagg` section names its prefill plan. The pair is checked together (same model
+and KV cache, every decode rank's KV heads held by some prefill rank, ports, timeouts, the transport available),
+and each piece of the deployment resolves to an ordinary plan plus its role (`instance`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine import devices
+from engine.errors import UserError
+from engine.kv_transfer.handles import KVRole
+from engine.parallel_layout import kv_head_sources
+from engine.plan.loader import COMMAND_LINE, LoadedPlan
+from engine.plan.report import PlanReport
+from engine.plan.schema import CONNECTORS, FAILURE_POLICIES, DisaggSection
+
+_SAME_MODEL = (
+    "architecture",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "is_mla",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "vocab_size",
+)
+
+
+@dataclass
+class DisaggPlan:
+    """A P/D plan's deployment: its section and the prefill plan (None when that did not load)."""
+
+    section: DisaggSection
+    prefill_name: str
+    prefill: PlanReport | None
+
+
+def prefill_file(loaded: LoadedPlan) -> Path:
+    """The prefill plan's file: relative to the plan file that names it (to the working directory when an override
+    does)."""
+    file, _ = loaded.where("disagg.prefill")
+    base = Path.cwd() if file == COMMAND_LINE else Path(file).parent
+    return (base / loaded.plan.disagg.prefill).expanduser()
+
+
+def check_pair(problems: PlanReport, res: PlanReport, prefill: PlanReport) -> DisaggPlan:
+    """Every problem of a P/D plan's pair (the prefill plan's own problems listed under its name)."""
+    section = res.plan.disagg
+    for e in prefill.errors:
+        problems.error("disagg.prefill", f"prefill plan {prefill.name}: {e}")
+    for note in prefill.notes:
+        problems.notes.append(f"prefill plan {prefill.name}: {note}")
+    for warning in prefill.warnings:
+        problems.warnings.append(f"prefill plan {prefill.name}: {warning}")
+    _check_section(problems, res, section)
+    other = prefill if prefill.loaded is not None else None
+    if other is not None and other.plan.disagg.prefill is not None:
+        problems.error("disagg.prefill", f"prefill plan {prefill.name} is itself a P/D plan; name a plain plan")
+    if other is not None and prefill.valid:
+        _check_models(problems, res, other)
+    from engine.kv_transfer import transport  # not at the top: only P/D plans look for the transport
+
+    reason = transport.unavailable_reason()
+    if reason is not None:
+        problems.error("disagg.connector", f"disagg.connector={section.connector}: {reason}")
+    return DisaggPlan(section, prefill.name, other if prefill.valid else None)
+
+
+def _check_section(problems: PlanReport, res: PlanReport, s: DisaggSection) -> None:
+    if s.connector not in CONNECTORS:
+        problems.error("disagg.connector", f"disagg.connector={s.connector!r} is not one of {', '.join(CONNECTORS)}")
+    if s.kv_role not in (None, "kv_consumer"):
+        problems.error(
+            "disagg.kv_role",
+            f"kv_transfer_config.kv_role={s.kv_role!r}: a plan with a disagg section is the decode side "
+            "(kv_consumer); the role an instance plays comes from `dcpctl run --role`",
+        )
+    if s.failure_policy not in FAILURE_POLICIES:
+        problems.error(
+            "disagg.failure_policy",
+            f"disagg.failure_policy={s.failure_policy!r} is not one of {', '.join(FAILURE_POLICIES)}",
+        )
+    ports = {
+        "serve.port": res.plan.serve.port,
+        "disagg.prefill_port": s.prefill_port,
+        "disagg.decode_port": s.decode_port,
+    }
+    for key, port in ports.items():
+        if key != "serve.port" and not 0 <= port <= 65535:
+            problems.error(key, f"{key}={port} is not a port number (0 picks a free one)")
+    seen: dict[int, str] = {}
+    for key, port in ports.items():
+        if port and port in seen:
+            problems.error(
+                key, f"{key}={port} is also {seen[port]}; the router and both instances need their own ports"
+            )
+        seen.setdefault(port, key)
+    if s.lease_s <= 0 or s.transfer_timeout_s <= 0:
+        problems.error("disagg.lease_s", "disagg.lease_s and disagg.transfer_timeout_s must be > 0 seconds")
+    elif s.transfer_timeout_s >= s.lease_s:
+        problems.error(
+            "disagg.transfer_timeout_s",
+            f"disagg.transfer_timeout_s={s.transfer_timeout_s:g} must be below disagg.lease_s={s.lease_s:g} (the "
+            "prefill side must keep the blocks for as long as a pull may take)",
+        )
+    if s.max_pulls_per_step < 1:
+        problems.error("disagg.max_pulls_per_step", f"disagg.max_pulls_per_step={s.max_pulls_per_step} must be >= 1")
+    for key in ("prefill_url", "decode_url"):
+        url = getattr(s, key)
+        if url is not None and not url.startswith(("http://", "https://")):
+            problems.error(f"disagg.{key}", f"disagg.{key}={url!r} must be an http:// or https:// URL")
+
+
+def _check_models(problems: PlanReport, res: PlanReport, prefill: PlanReport) -> None:
+    mine, theirs = res.model, prefill.model
+    if mine is None or theirs is None:
+        return
+    diffs = [
+        f"{k} {getattr(theirs, k)} there, {getattr(mine, k)} here"
+        for k in _SAME_MODEL
+        if getattr(mine, k) != getattr(theirs, k)
+    ]
+    if diffs:
+        problems.error(
+            "disagg.prefill", f"the prefill plan runs another model ({'; '.join(diffs)}); use the same model"
+        )
+        return
+    if prefill.cache_dtype != res.cache_dtype:
+        problems.error(
+            "cache.dtype",
+            f"the KV cache dtype differs: {prefill.cache_dtype} on the prefill side, {res.cache_dtype} here; "
+            "set the same cache.dtype on both",
+        )
+    if prefill.device != res.device:
+        problems.error("launch.device", f"the prefill plan runs on {prefill.device}, this one on {res.device}")
+    if prefill.dtype != res.dtype:
+        problems.warnings.append(
+            f"model.dtype differs ({prefill.dtype} prefill, {res.dtype} decode): tokens may differ from the "
+            "colocated plan"
+        )
+    if (prefill.max_model_len or 0) < (res.max_model_len or 0):
+        problems.error(
+            "model.max_model_len",
+            f"the prefill plan's max_model_len {prefill.max_model_len} is below this plan's {res.max_model_len}: "
+            "prompts this side takes would be refused there; raise it there or lower it here",
+        )
+    if prefill.layout is not None and res.layout is not None:
+        for rank in range(res.layout.world_size):
+            try:
+                kv_head_sources(prefill.layout, res.layout, rank)
+            except ValueError as exc:
+                problems.error("parallel.tp", f"{exc}; choose layouts whose KV heads match")
+    local = prefill.local_world_size + res.local_world_size
+    if res.device == "cpu" and local > devices.cpu_cores():
+        problems.warnings.append(
+            f"{local} ranks of both instances on {devices.cpu_cores()} CPU cores: they share cores (fine for "
+            "correctness, slow for speed)"
+        )
+
+
+def instance(res: PlanReport, role: str) -> tuple[PlanReport, KVRole]:
+    """One instance of a P/D deployment as a plan of its own (serving on its port) and its role."""
+    pd = res.disagg
+    s = pd.section
+    if role == "prefill":
+        if pd.prefill is None:
+            raise UserError(f"plan {res.name}: its prefill plan {pd.prefill_name} cannot run here")
+        plan, port = pd.prefill, s.prefill_port
+        kv_role = KVRole("prefill", lease_s=s.lease_s)
+    else:
+        if not s.prefill_url:
+            raise UserError("--role decode needs disagg.prefill_url (where the prefill instance answers)")
+        plan, port = res, s.decode_port
+        kv_role = KVRole(
+            "decode",
+            transfer_timeout_s=s.transfer_timeout_s,
+            failure_policy=s.failure_policy,
+            max_pulls_per_step=s.max_pulls_per_step,
+            measure_raw=s.measure_raw,
+            prefill_url=s.prefill_url,
+        )
+    # both instances answer to the deployment's model name (the router passes requests on as they come)
+    serve = dataclasses.replace(plan.plan.serve, port=port, model_name=res.plan.serve.model_name or res.name)
+    return dataclasses.replace(plan, plan=dataclasses.replace(plan.plan, serve=serve)), kv_role
