@@ -34,17 +34,17 @@ def run(
     or generate for the given prompts and print a results table. A P/D plan starts its prefill and decode
     instances and serves through a router (or one piece of it, with --role)."""
     from engine.offline import OfflineJob, read_prompts
-    from engine.serve_entry import ROLES, serve, serving_report
+    from engine.serve_entry import ROLES, launch_ranks, runnable_plan, serve
 
     plans, overrides = split_plans_and_overrides(args)
     if len(plans) != 1:
         raise typer.BadParameter("dcpctl run takes one plan file")
     if role not in ROLES:
         raise typer.BadParameter(f"--role must be one of {', '.join(ROLES)}")
-    report = serving_report(plans[0], overrides)
+    resolved = runnable_plan(plans[0], overrides)
     prompts = list(prompt or []) + (read_prompts(prompts_file) if prompts_file else [])
     if not prompts:
-        return serve(report, overrides, role)
+        return serve(resolved, overrides, role)
     if role != "all":
         raise typer.BadParameter("offline generation (--prompt, --prompts-file) runs the whole plan: drop --role")
     params = {
@@ -61,24 +61,22 @@ def run(
 
     SamplingParams(**params).validate()
     job = OfflineJob(prompts=prompts, params=params, output=str(output) if output else None)
-    if report.disagg is not None:  # through the deployment's router, as a client would
+    if resolved.disagg is not None:  # through the deployment's router, as a client would
         from engine.offline import run_offline_over_http
         from engine.serving.deployment import deployment_url
 
-        with deployment_url(report.source, report.name, overrides, report.plan.disagg) as url:
+        with deployment_url(resolved.source, resolved.name, overrides, resolved.plan.disagg) as url:
             run_offline_over_http(url, job)
         return None
-    if report.world_size == 1:
+    if resolved.world_size == 1:
         from engine.llm import LLM
         from engine.offline import run_offline
 
-        with LLM(report) as llm:
+        with LLM(resolved) as llm:
             run_offline(llm, job)
         return None
-    from engine.runtime.launcher import launch
-
     with tempfile.TemporaryDirectory(prefix="dcpctl-job-") as tmp:
         job_file = Path(tmp) / "job.json"
         job.save(job_file)
-        launch(report, overrides, ["--job-file", str(job_file)])
+        launch_ranks(resolved, overrides, ["--job-file", str(job_file)])
     return None

@@ -1,7 +1,8 @@
 """`python -m engine.serve_entry PLAN [KEY=VALUE ...]`: serve a plan's OpenAI-compatible API.
 
-The engine's own entry point for serving, without the `dcpctl` command line: `dcpctl run PLAN` (no prompts) calls
-the same functions, and evals starts the plans it measures through it. Once healthy it prints
+The engine's own entry point for serving, without the `dcpctl` command line: `dcpctl run PLAN` calls the same
+functions (`launch_ranks` for its offline jobs of several ranks too), and evals starts the plans it measures through
+it. Once healthy it prints
 `serving NAME on http://HOST:PORT ...`; a user error prints `error: ...` and exits 1; SIGINT stops every rank
 (exit 0 for one rank, 130 when it interrupts torchrun); bad arguments exit 2.
 """
@@ -10,24 +11,36 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from engine.errors import UserError
-from engine.plan.report import PlanReport
+from engine.plan.resolved import ResolvedPlan
+
+if TYPE_CHECKING:
+    from engine.kv_transfer.handles import KVRole
 
 ROLES = ("all", "prefill", "decode", "router")  # the pieces of a P/D plan `--role` may serve
 
 
-def serving_report(plan: str, overrides: list[str]) -> PlanReport:
-    """The validated plan, with its model folder present; UserError otherwise."""
-    from engine.llm import resolve_report
+def runnable_plan(plan: str, overrides: list[str]) -> ResolvedPlan:
+    """The plan file checked and resolved, with its model folder present; UserError otherwise."""
+    from engine.llm import resolve_plan
 
-    report = resolve_report(plan, overrides)
-    if report.missing_model:
-        raise UserError(report.missing_model)
-    return report
+    resolved = resolve_plan(plan, overrides)
+    if resolved.missing_model:
+        raise UserError(resolved.missing_model)
+    return resolved
 
 
-def serve(report: PlanReport, overrides: list[str], role: str = "all") -> None:
+def launch_ranks(resolved: ResolvedPlan, overrides: list[str], job_args: list[str]) -> None:
+    """Run the plan's ranks on this node under torchrun (the job: `--serve` or `--job-file FILE`)."""
+    from engine.runtime.launcher import launch
+
+    overrides = resolved.rank_overrides(overrides)
+    launch(resolved.plan.launch, resolved.local_world_size, resolved.source, overrides, job_args)
+
+
+def serve(resolved: ResolvedPlan, overrides: list[str], role: str = "all") -> None:
     """Serve the plan until SIGINT/SIGTERM: in this process for one rank, else its ranks under torchrun.
 
     A P/D plan (`disagg` section) is served whole (`role` "all": both instances and the router), or one piece of it
@@ -35,52 +48,49 @@ def serve(report: PlanReport, overrides: list[str], role: str = "all") -> None:
     """
     from engine.runtime.launcher import ensure_port_free
 
-    serve_cfg = report.plan.serve
-    if report.disagg is None:
+    serve_cfg = resolved.plan.serve
+    if resolved.disagg is None:
         if role != "all":
-            raise UserError(f"--role {role} needs a P/D plan (one with a disagg section); {report.name} is not one")
+            raise UserError(f"--role {role} needs a P/D plan (one with a disagg section); {resolved.name} is not one")
         ensure_port_free(serve_cfg.host, serve_cfg.port, "serve.port")
-        _serve_instance(report, report, overrides, None)
+        _serve_instance(resolved, resolved, overrides, None)
         return
     from engine.serving import deployment
 
-    section = report.plan.disagg
-    name = serve_cfg.model_name or report.name
+    section = resolved.plan.disagg
+    name = serve_cfg.model_name or resolved.name
     if role == "all":
         ensure_port_free(serve_cfg.host, serve_cfg.port, "serve.port")
-        deployment.serve_deployment(report.source, name, overrides, section, serve_cfg)
+        deployment.serve_deployment(resolved.source, name, overrides, section, serve_cfg)
     elif role == "router":
         ensure_port_free(serve_cfg.host, serve_cfg.port, "serve.port")
         deployment.serve_router_role(name, section, serve_cfg)
     else:
         from engine.plan.disagg import instance
 
-        inst, kv_role = instance(report, role)
+        inst, kv_role = instance(resolved, role)
         if inst.plan.serve.port:
             ensure_port_free(inst.plan.serve.host, inst.plan.serve.port, f"disagg.{role}_port")
-        _serve_instance(report, inst, overrides, kv_role)
+        _serve_instance(resolved, inst, overrides, kv_role)
 
 
-def _serve_instance(report: PlanReport, inst: PlanReport, overrides: list[str], kv_role) -> None:
-    """One instance: in this process for one rank, else its ranks under torchrun (each resolving `report`'s file
-    and overrides, and the instance of it that `kv_role` names)."""
+def _serve_instance(resolved: ResolvedPlan, inst: ResolvedPlan, overrides: list[str], kv_role: KVRole | None) -> None:
+    """One instance: in this process for one rank, else its ranks under torchrun. The ranks of a P/D instance each
+    resolve the P/D plan file (`resolved`) with the overrides and pick their instance (`--kv-role`)."""
     if inst.world_size == 1:
         from engine.serving.hosting import serve_plan
 
         serve_plan(inst, kv_role)
         return
-    import dataclasses
-
+    if kv_role is None:
+        launch_ranks(inst, overrides, ["--serve"])
+        return
     from engine.runtime.launcher import launch
 
-    job = ["--serve"]
-    if kv_role is not None:
-        job += ["--kv-role", kv_role.role]
-        if inst.kv_budget_bytes is not None and inst.device == "cpu":  # every rank sizes the same cache
-            key = "prefill.cache.memory" if kv_role.role == "prefill" else "cache.memory"
-            overrides = [*overrides, f"{key}={inst.kv_budget_bytes}B"]
-        inst = dataclasses.replace(inst, source=report.source, kv_budget_bytes=None)
-    launch(inst, overrides, job)
+    prefix = "prefill." if kv_role.role == "prefill" else ""  # the prefill plan's overrides carry this prefix
+    pinned = [prefix + o for o in inst.rank_overrides([])]
+    job = ["--serve", "--kv-role", kv_role.role]
+    launch(inst.plan.launch, inst.local_world_size, resolved.source, [*overrides, *pinned], job)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        serve(serving_report(args.plan, args.overrides), args.overrides, args.role)
+        serve(runnable_plan(args.plan, args.overrides), args.overrides, args.role)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

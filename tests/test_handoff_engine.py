@@ -11,7 +11,7 @@ from engine.core.sequence import SamplingParams
 from engine.core.startup import start_engine
 from engine.errors import UserError
 from engine.kv_transfer.handles import KVRole, RemotePrefill
-from engine.llm import resolve_report
+from engine.llm import resolve_plan
 from tests.oracle import LOGPROB_TOL, hf_greedy, prompt_ids, write_plan
 
 NEW_TOKENS = 12
@@ -27,8 +27,8 @@ def pair(tmp_path, tiny_models):
     folder = tiny_models("llama")
     prefill_plan = write_plan(tmp_path, folder, {"cache.block_size": 16}, name="prefill.yaml")
     decode_plan = write_plan(tmp_path, folder, {"cache.block_size": 8, "cache.memory": "256KiB"}, name="decode.yaml")
-    prefill = start_engine(resolve_report(prefill_plan), kv_role=KVRole("prefill", lease_s=30))
-    decode = start_engine(resolve_report(decode_plan), kv_role=KVRole("decode", transfer_timeout_s=10))
+    prefill = start_engine(resolve_plan(prefill_plan), kv_role=KVRole("prefill", lease_s=30))
+    decode = start_engine(resolve_plan(decode_plan), kv_role=KVRole("decode", transfer_timeout_s=10))
     yield folder, prefill, decode
     for engine in (prefill, decode):
         engine.runner.kv_exporter and engine.runner.kv_exporter.close()

@@ -10,7 +10,7 @@ import pytest
 
 from engine.core.startup import start_engine
 from engine.kv_transfer.handles import KVRole
-from engine.llm import resolve_report
+from engine.llm import resolve_plan
 from engine.serving.hosting import bind_socket, start_server
 from engine.serving.router import Router, start_router
 from tests.oracle import LOGPROB_TOL, hf_greedy, prompt_ids, write_plan
@@ -24,10 +24,10 @@ def deployment(tmp_path_factory, tiny_models):
     folder = tiny_models("llama")
     prefill_plan = write_plan(tmp, folder, {"cache.block_size": 16}, name="prefill.yaml")
     decode_plan = write_plan(tmp, folder, {"cache.block_size": 8, "parallel.interleave": 4}, name="decode.yaml")
-    prefill = start_server(start_engine(resolve_report(prefill_plan), kv_role=KVRole("prefill", lease_s=60)), "tiny")
+    prefill = start_server(start_engine(resolve_plan(prefill_plan), kv_role=KVRole("prefill", lease_s=60)), "tiny")
     prefill_url = f"http://127.0.0.1:{prefill.port}"
     role = KVRole("decode", transfer_timeout_s=10, prefill_url=prefill_url)
-    decode = start_server(start_engine(resolve_report(decode_plan), kv_role=role), "tiny")
+    decode = start_server(start_engine(resolve_plan(decode_plan), kv_role=role), "tiny")
     router = start_router(Router(prefill_url, f"http://127.0.0.1:{decode.port}"), bind_socket("127.0.0.1", 0))
     with httpx.Client(base_url=f"http://127.0.0.1:{router.port}", timeout=120, trust_env=False) as client:
         yield folder, client, prefill, decode

@@ -54,8 +54,18 @@ class ModelInfo:
     is_mla: bool = False
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    q_lora_rank: int = 0  # 0: MLA queries come from one q_proj
     intermediate_size: int = 0
     moe_intermediate_size: int = 0
+    n_routed_experts: int = 0
+    n_shared_experts: int = 0
+    first_k_dense_replace: int = 0  # MLA models: the first k decoder layers have a dense MLP, the rest MoE
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # GQA: q/k/v projections; MLA: q_a_proj and kv_a_proj_with_mqa
+    o_bias: bool = False
+    mlp_bias: bool = False
     weight_bytes: int = 0  # total bytes of the safetensors tensors, 0 if unknown
 
     def kv_bytes_per_token(self, tp: int, dtype_bytes: int) -> int:
@@ -138,6 +148,7 @@ def read_model_info(folder: str | Path) -> ModelInfo:
         is_mla = arch == "DeepseekV2ForCausalLM"
         head_dim = int(config.get("head_dim") or hidden // heads)
         kv_heads = 1 if is_mla else int(config.get("num_key_value_heads") or heads)
+        attention_bias = bool(config.get("attention_bias"))
         info = ModelInfo(
             path=folder,
             architecture=arch,
@@ -152,8 +163,18 @@ def read_model_info(folder: str | Path) -> ModelInfo:
             is_mla=is_mla,
             kv_lora_rank=int(config.get("kv_lora_rank") or 0),
             qk_rope_head_dim=int(config.get("qk_rope_head_dim") or 0),
+            qk_nope_head_dim=int(config.get("qk_nope_head_dim") or 0),
+            v_head_dim=int(config.get("v_head_dim") or 0),
+            q_lora_rank=int(config.get("q_lora_rank") or 0),
             intermediate_size=int(config.get("intermediate_size") or 0),
             moe_intermediate_size=int(config.get("moe_intermediate_size") or 0),
+            n_routed_experts=int(config.get("n_routed_experts") or 0) if is_mla else 0,
+            n_shared_experts=int(config.get("n_shared_experts") or 0) if is_mla else 0,
+            first_k_dense_replace=int(config.get("first_k_dense_replace") or 0) if is_mla else 0,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
+            o_bias=attention_bias,
+            mlp_bias=bool(config.get("mlp_bias")) and not is_mla,
             weight_bytes=sum(size for _, _, size in safetensors_entries(folder)),
         )
     except (KeyError, TypeError, ValueError) as exc:

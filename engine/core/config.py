@@ -1,5 +1,5 @@
 """The slice of a resolved plan that the engine runs with (`EngineConfig`): every rank's start-up and rank 0's
-engine read it, never the whole plan report."""
+engine read it, never the whole resolved plan."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from engine.errors import UserError
 from engine.kv_transfer.handles import KVRole
 from engine.parallel_layout import ParallelLayout
 from engine.plan.kv_sizing import parse_memory
-from engine.plan.report import PlanReport
+from engine.plan.resolved import ResolvedPlan
 
 
 @dataclass(frozen=True)
@@ -39,27 +39,27 @@ class EngineConfig:
     kv_role: KVRole | None = None  # P/D: this instance's part in the hand-off
 
     @classmethod
-    def from_report(cls, report: PlanReport, kv_role: KVRole | None = None) -> EngineConfig:
-        """The engine's slice of a valid plan whose model folder is here; a UserError says why not otherwise."""
-        report.require_valid()
-        if report.missing_model:
-            raise UserError(report.missing_model)
-        plan = report.plan
+    def from_plan(cls, resolved: ResolvedPlan, kv_role: KVRole | None = None) -> EngineConfig:
+        """The engine's slice of a valid plan (`PlanCheck.require_valid`); a UserError when its model folder is
+        not here. `kv_role`: the instance's part in a P/D hand-off."""
+        if resolved.missing_model:
+            raise UserError(resolved.missing_model)
+        plan = resolved.plan
         _, fraction = parse_memory(plan.cache.memory)
-        max_len = report.max_model_len or report.model.max_position_embeddings
+        max_len = resolved.max_model_len or resolved.model.max_position_embeddings
         return cls(
-            model_path=report.model_path,
-            model=report.model,
-            layout=report.layout,
-            dtype=report.dtype,
-            cache_dtype=report.cache_dtype,
-            device=report.device,
+            model_path=resolved.model_path,
+            model=resolved.model,
+            layout=resolved.layout,
+            dtype=resolved.dtype,
+            cache_dtype=resolved.cache_dtype,
+            device=resolved.device,
             dist_backend=plan.launch.dist_backend,
-            attention_backend=report.backend,
+            attention_backend=resolved.backend,
             block_size=plan.cache.block_size,
             interleave=plan.parallel.interleave,
             max_model_len=max_len,
-            num_blocks=report.kv.num_blocks if report.kv is not None else None,
+            num_blocks=resolved.kv.num_blocks if resolved.kv is not None else None,
             kv_memory_fraction=fraction,
             scheduler=SchedulerConfig(
                 plan.scheduler.max_num_seqs,
@@ -69,6 +69,6 @@ class EngineConfig:
             ),
             prefix_caching=plan.cache.prefix_caching,
             threads_per_rank=plan.launch.threads_per_rank,
-            local_world_size=report.local_world_size,
+            local_world_size=resolved.local_world_size,
             kv_role=kv_role,
         )

@@ -26,7 +26,7 @@ from engine.errors import UserError
 from engine.io_utils import atomic_write_text
 from engine.kv_transfer.handles import KVRole
 from engine.plan.kv_sizing import kv_sizing
-from engine.plan.report import PlanReport
+from engine.plan.resolved import ResolvedPlan
 from engine.runtime.host_allocator import reuse_freed_memory
 from engine.runtime.model_runner import TORCH_DTYPES, CacheLayout, ModelRunner
 
@@ -52,12 +52,14 @@ def _num_blocks(config: EngineConfig, par: ParallelContext) -> int:
     return int(blocks.item())
 
 
-def start_rank(report: PlanReport, kv_role: KVRole | None = None) -> tuple[EngineConfig, ParallelContext, ModelRunner]:
+def start_rank(
+    resolved: ResolvedPlan, kv_role: KVRole | None = None
+) -> tuple[EngineConfig, ParallelContext, ModelRunner]:
     """Join the plan's layout (torchrun world, or a single process) and build this rank's runner (with its part in
     a P/D hand-off when `kv_role` says so)."""
     from transformers import AutoConfig
 
-    config = EngineConfig.from_report(report, kv_role)
+    config = EngineConfig.from_plan(resolved, kv_role)
     layout = config.layout
     device = torch.device("cuda" if config.device == "cuda" else "cpu")
     if layout.world_size == 1 and "RANK" not in os.environ:
@@ -113,7 +115,9 @@ def _write_rank_stats(par: ParallelContext, runner: ModelRunner) -> None:
     atomic_write_text(Path(folder) / f"rank{par.rank}.json", json.dumps(stats))
 
 
-def start_engine(report: PlanReport, shield_followers: bool = False, kv_role: KVRole | None = None) -> LLMEngine | None:
+def start_engine(
+    resolved: ResolvedPlan, shield_followers: bool = False, kv_role: KVRole | None = None
+) -> LLMEngine | None:
     """Every rank's start: rank 0 gets its engine; any other rank follows rank 0's steps until rank 0 stops it,
     then gets None.
 
@@ -122,7 +126,7 @@ def start_engine(report: PlanReport, shield_followers: bool = False, kv_role: KV
     to stop (it tells them after its last step); a signal from torchrun must not kill a follower in the middle of a
     collective, which would leave rank 0 hanging.
     """
-    config, par, runner = start_rank(report, kv_role)
+    config, par, runner = start_rank(resolved, kv_role)
     exporter = runner.kv_exporter
     endpoints = gather_objects(exporter.endpoint, par.control_group) if exporter is not None else None
     if par.is_driver:

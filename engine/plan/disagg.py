@@ -14,8 +14,9 @@ from engine.errors import UserError
 from engine.kv_transfer.handles import KVRole
 from engine.parallel_layout import kv_head_sources
 from engine.plan.loader import COMMAND_LINE, LoadedPlan
-from engine.plan.report import PlanReport
+from engine.plan.resolved import ResolvedPlan
 from engine.plan.schema import CONNECTORS, FAILURE_POLICIES, DisaggSection
+from engine.plan.validation import PlanCheck, PlanProblems
 
 _SAME_MODEL = (
     "architecture",
@@ -36,7 +37,7 @@ class DisaggPlan:
 
     section: DisaggSection
     prefill_name: str
-    prefill: PlanReport | None
+    prefill: ResolvedPlan | None
 
 
 def prefill_file(loaded: LoadedPlan) -> Path:
@@ -47,17 +48,17 @@ def prefill_file(loaded: LoadedPlan) -> Path:
     return (base / loaded.plan.disagg.prefill).expanduser()
 
 
-def check_pair(problems: PlanReport, res: PlanReport, prefill: PlanReport) -> DisaggPlan:
+def check_pair(problems: PlanProblems, res: ResolvedPlan, prefill: PlanCheck) -> DisaggPlan:
     """Every problem of a P/D plan's pair (the prefill plan's own problems listed under its name)."""
     section = res.plan.disagg
-    for e in prefill.errors:
+    for e in prefill.problems.errors:
         problems.error("disagg.prefill", f"prefill plan {prefill.name}: {e}")
-    for note in prefill.notes:
+    for note in prefill.problems.notes:
         problems.notes.append(f"prefill plan {prefill.name}: {note}")
-    for warning in prefill.warnings:
+    for warning in prefill.problems.warnings:
         problems.warnings.append(f"prefill plan {prefill.name}: {warning}")
     _check_section(problems, res, section)
-    other = prefill if prefill.loaded is not None else None
+    other = prefill.resolved
     if other is not None and other.plan.disagg.prefill is not None:
         problems.error("disagg.prefill", f"prefill plan {prefill.name} is itself a P/D plan; name a plain plan")
     if other is not None and prefill.valid:
@@ -70,7 +71,7 @@ def check_pair(problems: PlanReport, res: PlanReport, prefill: PlanReport) -> Di
     return DisaggPlan(section, prefill.name, other if prefill.valid else None)
 
 
-def _check_section(problems: PlanReport, res: PlanReport, s: DisaggSection) -> None:
+def _check_section(problems: PlanProblems, res: ResolvedPlan, s: DisaggSection) -> None:
     if s.connector not in CONNECTORS:
         problems.error("disagg.connector", f"disagg.connector={s.connector!r} is not one of {', '.join(CONNECTORS)}")
     if s.kv_role not in (None, "kv_consumer"):
@@ -115,7 +116,7 @@ def _check_section(problems: PlanReport, res: PlanReport, s: DisaggSection) -> N
             problems.error(f"disagg.{key}", f"disagg.{key}={url!r} must be an http:// or https:// URL")
 
 
-def _check_models(problems: PlanReport, res: PlanReport, prefill: PlanReport) -> None:
+def _check_models(problems: PlanProblems, res: ResolvedPlan, prefill: ResolvedPlan) -> None:
     mine, theirs = res.model, prefill.model
     if mine is None or theirs is None:
         return
@@ -162,7 +163,7 @@ def _check_models(problems: PlanReport, res: PlanReport, prefill: PlanReport) ->
         )
 
 
-def instance(res: PlanReport, role: str) -> tuple[PlanReport, KVRole]:
+def instance(res: ResolvedPlan, role: str) -> tuple[ResolvedPlan, KVRole]:
     """One instance of a P/D deployment as a plan of its own (serving on its port) and its role."""
     pd = res.disagg
     s = pd.section

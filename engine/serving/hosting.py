@@ -26,7 +26,7 @@ from engine.serving.openai_app import OpenAIServer
 if TYPE_CHECKING:
     from engine.core.engine import LLMEngine
     from engine.kv_transfer.handles import KVRole
-    from engine.plan.report import PlanReport
+    from engine.plan.resolved import ResolvedPlan
 
 logger = logging.getLogger("dcpctl.server")
 
@@ -131,17 +131,17 @@ def serve_engine(engine: LLMEngine, host: str, port: int, model_name: str) -> No
         engine_loop.stop()
 
 
-def serve_plan(report: PlanReport, kv_role: KVRole | None = None) -> None:
+def serve_plan(resolved: ResolvedPlan, kv_role: KVRole | None = None) -> None:
     """Every rank of `dcpctl run PLAN`: rank 0 serves the API; the other ranks follow its steps until it stops.
     `kv_role`: the instance's part in a P/D deployment."""
     from engine.core.startup import start_engine
 
-    engine = start_engine(report, shield_followers=True, kv_role=kv_role)
+    engine = start_engine(resolved, shield_followers=True, kv_role=kv_role)
     if engine is None:
         return
-    serve = report.plan.serve
+    serve = resolved.plan.serve
     _configure_logging()
-    serve_engine(engine, serve.host, serve.port, serve.model_name or report.name)
+    serve_engine(engine, serve.host, serve.port, serve.model_name or resolved.name)
 
 
 def _configure_logging() -> None:
