@@ -10,8 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine import devices
+from engine.attention.kv_layout import HEAD_MAJOR_BACKENDS
+from engine.checkpoints.model_info import dtype_bytes
+from engine.dcp import DcpSpec
 from engine.errors import UserError
 from engine.kv_transfer.handles import KVRole
+from engine.kv_transfer.summary import HandoffSide, HandoffSummary, summarize
 from engine.parallel_layout import kv_head_sources
 from engine.plan.loader import COMMAND_LINE, LoadedPlan
 from engine.plan.resolved import ResolvedPlan
@@ -187,3 +191,26 @@ def instance(res: ResolvedPlan, role: str) -> tuple[ResolvedPlan, KVRole]:
     # both instances answer to the deployment's model name (the router passes requests on as they come)
     serve = dataclasses.replace(plan.plan.serve, port=port, model_name=res.plan.serve.model_name or res.name)
     return dataclasses.replace(plan, plan=dataclasses.replace(plan.plan, serve=serve)), kv_role
+
+
+def handoff_side(res: ResolvedPlan) -> HandoffSide:
+    """One side of the hand-off as the layouts and the cache geometry see it (a plan with a layout)."""
+    info, c = res.model, res.plan.cache
+    dim = info.kv_lora_rank + info.qk_rope_head_dim if info.is_mla else info.head_dim
+    return HandoffSide(
+        res.name,
+        res.layout,
+        DcpSpec(c.block_size, res.plan.parallel.interleave, res.plan.parallel.dcp),
+        layers=info.num_layers,
+        kinds=1 if info.is_mla else 2,
+        head_bytes=dim * dtype_bytes(res.cache_dtype),
+        head_major=res.backend in HEAD_MAJOR_BACKENDS,
+    )
+
+
+def handoff_summary(res: ResolvedPlan, lengths: tuple[int, ...] = (512, 2048)) -> HandoffSummary | None:
+    """What the hand-off of this P/D plan costs per decode rank (None when either side has no layout)."""
+    pd = res.disagg
+    if pd is None or pd.prefill is None or pd.prefill.layout is None or res.layout is None:
+        return None
+    return summarize(handoff_side(pd.prefill), handoff_side(res), lengths)
