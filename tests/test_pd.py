@@ -6,13 +6,18 @@ that hits its prefix cache or preempts; afterwards neither side holds a block or
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import httpx
 import pytest
 import yaml
 
-from evals.launch import PlanServer
+from engine.serving.deployment import Deployment
+from engine.serving.hosting import bind_socket
+from engine.serving.plan_server import PlanServer
+from engine.serving.router import start_router
 from tests.oracle import LOGPROB_TOL, hf_greedy, prompt_ids, write_plan
 
 pytestmark = pytest.mark.multiproc
@@ -138,3 +143,66 @@ def test_dcp2_to_dcp2_with_other_interleave_and_block_and_a_preempting_decode_si
         assert_hf(folder, prompts, bodies, new_tokens=40)
         stats = settled(server.base_url)
     assert stats["preemptions"] > 0 and stats["kv_transfer"]["pulls"] == len(LENGTHS)
+
+
+def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.2)
+    return value
+
+
+def test_faults_expired_stale_and_a_dead_prefill_instance(tmp_path, tiny_models):
+    """Real processes: an export nobody claims is freed when its lease ends and its handle is then stale (400); the
+    prefill instance killed: a handle it gave out fails at the decode side naming it (502, no hang), the router
+    reports it unhealthy and answers at once, and the decode side holds no block."""
+    folder = tiny_models("llama")
+    plan = pd_plan(
+        tmp_path,
+        folder,
+        {"cache.block_size": 8},
+        {"parallel.dcp": 2, "parallel.interleave": 8, "cache.block_size": 8},
+        {"lease_s": 3, "transfer_timeout_s": 1},
+    )
+    ids = prompt_ids(1, [40], seed=5)[0]
+    export = {"prompt": ids, "max_tokens": 1, "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}}
+    with Deployment(str(plan), "pd", [], 0, 0) as deployment:
+        router = start_router(deployment.router(), bind_socket("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{router.port}"
+        p_url, d_url = deployment.prefill.base_url, deployment.decode.base_url
+        try:
+            with httpx.Client(timeout=60, trust_env=False) as client:
+
+                def stats(base):
+                    return client.get(f"{base}/v1/engine/stats").json()
+
+                handle = client.post(f"{p_url}/v1/completions", json=export).json()["kv_transfer_params"]
+                assert stats(p_url)["exports_live"] == 1
+                wait_for(lambda: stats(p_url)["exports_live"] == 0 and stats(p_url)["used_blocks"] == 0, what="expiry")
+                body = {"prompt": ids, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+                body["kv_transfer_params"] = handle
+                stale = client.post(f"{d_url}/v1/completions", json=body)
+                assert stale.status_code == 400 and "expired" in stale.text, stale.text
+
+                ok = client.post(f"{url}/v1/completions", json={**body, "kv_transfer_params": None})
+                assert ok.status_code == 200, ok.text
+                assert ok.json()["choices"][0]["token_ids"] == hf_greedy(folder, ids, 3)[0]
+
+                handle = client.post(f"{p_url}/v1/completions", json=export).json()["kv_transfer_params"]
+                os.killpg(deployment.prefill.pid, signal.SIGKILL)
+                start = time.monotonic()
+                dead = client.post(f"{d_url}/v1/completions", json={**body, "kv_transfer_params": handle})
+                assert dead.status_code == 502 and f"the prefill instance {p_url}" in dead.text, dead.text
+                assert time.monotonic() - start < 15
+                assert stats(d_url)["used_blocks"] == 0
+                failed = client.post(f"{url}/v1/completions", json=body)
+                assert failed.status_code in (502, 503) and "prefill instance" in failed.text, failed.text
+                health = wait_for(
+                    lambda: (r := client.get(f"{url}/health")).status_code == 503 and r, what="router 503"
+                )
+                assert f"the prefill instance {p_url} is unhealthy" in health.text
+                assert client.post(f"{url}/v1/completions", json=body).status_code == 503  # at once, named
+                assert stats(d_url)["used_blocks"] == 0
+        finally:
+            router.stop()

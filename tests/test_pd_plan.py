@@ -57,7 +57,7 @@ def test_every_pair_problem_reported_at_once(make_plan, llama_folder, tmp_path):
     expected = [
         "disagg.prefill_port: disagg.prefill_port=8123 is also serve.port; the router and both instances need their "
         "own ports",
-        "disagg.transfer_timeout_s: disagg.transfer_timeout_s=10 must be below disagg.lease_s=5",
+        "disagg.transfer_timeout_s: disagg.transfer_timeout_s=10 must be more than 1 s below disagg.lease_s=5",
         "disagg.failure_policy: disagg.failure_policy='retry' is not one of fail, recompute",
         "disagg.max_pulls_per_step: disagg.max_pulls_per_step=0 must be >= 1",
         "disagg.prefill_url: disagg.prefill_url='localhost:9000' must be an http:// or https:// URL",

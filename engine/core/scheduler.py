@@ -18,10 +18,8 @@ from dataclasses import dataclass
 
 from engine.core.block_manager import BlockManager
 from engine.core.sequence import Sequence, SequenceStatus
-from engine.kv_transfer.handles import KVPull, KVRole
+from engine.kv_transfer.handles import LEASE_MARGIN_S, KVPull, KVRole
 from engine.runtime.step import ScheduledChunk, ScheduledStep
-
-LEASE_MARGIN_S = 1.0  # a pull starts only while the export's lease outlasts its deadline by this much
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ from typing import Any
 from engine.attention.kv_layout import CacheGeometry
 from engine.dcp import DcpSpec
 
+LEASE_MARGIN_S = 1.0  # a pull starts only while the export's lease outlasts its deadline by this much
+
 ROLES = ("prefill", "decode")
 FAILURE_POLICIES = ("fail", "recompute")
 _ID = re.compile(r"^[0-9a-f]{32}$")

@@ -14,7 +14,7 @@ from engine.attention.kv_layout import HEAD_MAJOR_BACKENDS
 from engine.checkpoints.model_info import dtype_bytes
 from engine.dcp import DcpSpec
 from engine.errors import UserError
-from engine.kv_transfer.handles import KVRole
+from engine.kv_transfer.handles import LEASE_MARGIN_S, KVRole
 from engine.kv_transfer.summary import HandoffSide, HandoffSummary, summarize
 from engine.parallel_layout import kv_head_sources
 from engine.plan.loader import COMMAND_LINE, LoadedPlan
@@ -106,11 +106,11 @@ def _check_section(problems: PlanProblems, res: ResolvedPlan, s: DisaggSection) 
         seen.setdefault(port, key)
     if s.lease_s <= 0 or s.transfer_timeout_s <= 0:
         problems.error("disagg.lease_s", "disagg.lease_s and disagg.transfer_timeout_s must be > 0 seconds")
-    elif s.transfer_timeout_s >= s.lease_s:
+    elif s.transfer_timeout_s + LEASE_MARGIN_S >= s.lease_s:
         problems.error(
             "disagg.transfer_timeout_s",
-            f"disagg.transfer_timeout_s={s.transfer_timeout_s:g} must be below disagg.lease_s={s.lease_s:g} (the "
-            "prefill side must keep the blocks for as long as a pull may take)",
+            f"disagg.transfer_timeout_s={s.transfer_timeout_s:g} must be more than {LEASE_MARGIN_S:g} s below "
+            f"disagg.lease_s={s.lease_s:g} (the prefill side must keep the blocks for as long as a pull may take)",
         )
     if s.max_pulls_per_step < 1:
         problems.error("disagg.max_pulls_per_step", f"disagg.max_pulls_per_step={s.max_pulls_per_step} must be >= 1")

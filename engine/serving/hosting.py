@@ -13,13 +13,13 @@ import contextlib
 import logging
 import socket
 import sys
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
 from engine.errors import UserError
+from engine.serving.background import ServerHandle, serve_in_background
 from engine.serving.engine_loop import EngineLoop
 from engine.serving.openai_app import OpenAIServer
 
@@ -79,37 +79,16 @@ def _uvicorn_server(app: FastAPI, engine_loop: EngineLoop, banner: Callable[[], 
     return _Server(config)
 
 
-class ServerHandle:
-    """A running server (in a background thread); for tests and tools that embed the server."""
-
-    def __init__(self, server, thread: threading.Thread, engine_loop: EngineLoop, port: int):
-        self._server = server
-        self._thread = thread
-        self.engine_loop = engine_loop
-        self.port = port
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stop uvicorn and the engine thread (the engine is shut down, so other ranks exit)."""
-        self._server.should_exit = True
-        self._thread.join(timeout)
-        self.engine_loop.stop(timeout)
-
-
 def start_server(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 0) -> ServerHandle:
-    """Serve `engine` from a background thread; returns once the server accepts connections."""
+    """Serve `engine` from a background thread; returns once the server accepts connections. Stopping the handle
+    stops the engine thread too (the engine is shut down, so other ranks exit)."""
     engine_loop = EngineLoop(engine)
     app = OpenAIServer(engine_loop, model_name).app
     sock = bind_socket(host, port)
-    ready = threading.Event()
-    server = _uvicorn_server(app, engine_loop, ready.set)
     engine_loop.start()
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="dcpctl-uvicorn", daemon=True)
-    thread.start()
-    if not ready.wait(60):
-        server.should_exit = True
-        engine_loop.stop()
-        raise RuntimeError("the server did not start within 60 s")
-    return ServerHandle(server, thread, engine_loop, sock.getsockname()[1])
+    return serve_in_background(
+        lambda banner: _uvicorn_server(app, engine_loop, banner), sock, "dcpctl-uvicorn", engine_loop.stop
+    )
 
 
 def serve_engine(engine: LLMEngine, host: str, port: int, model_name: str) -> None:

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.errors import UserError
+from engine.serving.background import ServerHandle, serve_in_background
 from engine.serving.http import BodyLimitMiddleware, install_error_handlers
 from engine.serving.protocol import MAX_BODY_BYTES, parse_json_body
 from engine.serving.responses import ServerError
@@ -269,19 +269,6 @@ def _error_text(response: httpx.Response) -> str:
     return f"HTTP {response.status_code}"
 
 
-class RouterHandle:
-    """A router served from a background thread (offline runs over a deployment, tests)."""
-
-    def __init__(self, server: Any, thread: threading.Thread, port: int):
-        self._server = server
-        self._thread = thread
-        self.port = port
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout)
-
-
 def router_server(router: Router, banner: Any = None) -> Any:
     """A uvicorn server for the router; `banner()` is called once it listens."""
     import uvicorn
@@ -302,13 +289,6 @@ def router_server(router: Router, banner: Any = None) -> Any:
     return _Server(config)
 
 
-def start_router(router: Router, sock: socket.socket) -> RouterHandle:
+def start_router(router: Router, sock: socket.socket) -> ServerHandle:
     """Serve the router on a bound socket from a background thread; returns once it accepts connections."""
-    ready = threading.Event()
-    server = router_server(router, ready.set)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="dcpctl-router", daemon=True)
-    thread.start()
-    if not ready.wait(60):
-        server.should_exit = True
-        raise RuntimeError("the router did not start within 60 s")
-    return RouterHandle(server, thread, sock.getsockname()[1])
+    return serve_in_background(lambda banner: router_server(router, banner), sock, "dcpctl-router")
