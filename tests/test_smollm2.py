@@ -82,7 +82,7 @@ def test_shipped_pd_plans_through_the_router_match_hf(tmp_path, smollm2, interle
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "dcpctl.cli", "run", str(plan), "cache.memory=64MiB", "prefill.cache.memory=64MiB"]
+    cmd = [sys.executable, "-m", "dcpctl.cli", "run", str(plan), "cache.memory=128MiB", "prefill.cache.memory=128MiB"]
     cmd += ["--prompts-file", str(prompts_file), "--max-tokens", str(NEW_TOKENS), "--ignore-eos", "--logprobs", "1"]
     result = subprocess.run([*cmd, "--output", str(out)], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
