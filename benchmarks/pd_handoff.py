@@ -26,7 +26,13 @@ from engine.kernels import cpu_isa
 from evals.launch import PlanServer
 
 PLANS = {i: Path(f"plans/cpu/smollm2_pd_dcp2_i{i}.yaml") for i in (1, 16, 64)}
-OVERRIDES = ["disagg.measure_raw=true", "cache.memory=256MiB", "prefill.cache.memory=256MiB"]
+OVERRIDES = [  # a 2048-token prompt plus its output needs a context above the plans' 2048
+    "disagg.measure_raw=true",
+    "cache.memory=256MiB",
+    "prefill.cache.memory=256MiB",
+    "model.max_model_len=4096",
+    "prefill.model.max_model_len=4096",
+]
 
 
 def one_request(client: httpx.Client, url: str, prompt: list[int], output_len: int) -> dict:
@@ -35,7 +41,8 @@ def one_request(client: httpx.Client, url: str, prompt: list[int], output_len: i
     start = time.perf_counter()
     ttft, kv = None, None
     with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-        response.raise_for_status()
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode()[:500]}")
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
