@@ -6,7 +6,6 @@ and each piece of the deployment resolves to an ordinary plan plus its role (`in
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
 
 from engine import devices
@@ -18,7 +17,7 @@ from engine.kv_transfer.handles import LEASE_MARGIN_S, KVRole
 from engine.kv_transfer.summary import HandoffSide, HandoffSummary, summarize
 from engine.parallel_layout import kv_head_sources
 from engine.plan.loader import COMMAND_LINE, LoadedPlan
-from engine.plan.resolved import ResolvedPlan
+from engine.plan.resolved import DisaggPlan, ResolvedPlan
 from engine.plan.schema import CONNECTORS, FAILURE_POLICIES, DisaggSection
 from engine.plan.validation import PlanCheck, PlanProblems
 
@@ -33,15 +32,6 @@ _SAME_MODEL = (
     "qk_rope_head_dim",
     "vocab_size",
 )
-
-
-@dataclass
-class DisaggPlan:
-    """A P/D plan's deployment: its section and the prefill plan (None when that did not load)."""
-
-    section: DisaggSection
-    prefill_name: str
-    prefill: ResolvedPlan | None
 
 
 def prefill_file(loaded: LoadedPlan) -> Path:

@@ -11,16 +11,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from engine.checkpoints.model_info import ModelInfo
 from engine.kernels.cpu_paths import CpuPaths
 from engine.parallel_layout import ParallelLayout
 from engine.plan.kv_sizing import KVSizing
-from engine.plan.schema import Plan
+from engine.plan.schema import DisaggSection, Plan
 
-if TYPE_CHECKING:
-    from engine.plan.disagg import DisaggPlan
+
+@dataclass
+class DisaggPlan:
+    """A P/D plan's deployment: its disagg section and the prefill plan (None when that plan is not valid)."""
+
+    section: DisaggSection
+    prefill_name: str
+    prefill: ResolvedPlan | None
 
 
 @dataclass
