@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 import tempfile
 from pathlib import Path
 from types import TracebackType
@@ -94,10 +95,9 @@ def _sigterm_interrupts():
         signal.signal(signal.SIGTERM, previous)
 
 
-def serve_router(router: Router, host: str, port: int, name: str, where: str) -> None:
-    """Serve the router in this thread until SIGINT/SIGTERM."""
-    sock = bind_socket(host, port)
-    bound = sock.getsockname()[1]
+def serve_router(router: Router, sock: socket.socket, name: str, where: str) -> None:
+    """Serve the router on a bound socket in this thread until SIGINT/SIGTERM."""
+    host, bound = sock.getsockname()[:2]
 
     def banner() -> None:
         print(f"serving {name} on http://{host}:{bound} ({where})", flush=True)
@@ -107,12 +107,16 @@ def serve_router(router: Router, host: str, port: int, name: str, where: str) ->
 
 
 def serve_deployment(source: str, name: str, overrides: list[str], section, serve) -> None:
-    """`--role all`: both instances on this node and the router on serve.port, until SIGINT/SIGTERM."""
+    """`--role all`: both instances on this node and the router on serve.port, until SIGINT/SIGTERM.
+
+    The router's port is bound before the instances start (which takes a while), so that nothing else takes it
+    meanwhile; it answers once both instances are healthy."""
+    sock = bind_socket(serve.host, serve.port)
     with Deployment(source, name, overrides, section.prefill_port, section.decode_port) as deployment:
         where = (
             f"prefill {deployment.prefill.base_url}, decode {deployment.decode.base_url}; logs in {deployment.run_dir}"
         )
-        serve_router(deployment.router(), serve.host, serve.port, serve.model_name or name, where)
+        serve_router(deployment.router(), sock, serve.model_name or name, where)
 
 
 def serve_router_role(name: str, section, serve) -> None:
@@ -123,7 +127,7 @@ def serve_router_role(name: str, section, serve) -> None:
             f"--role router needs {' and '.join('disagg.' + k for k in missing)} (where the instances answer)"
         )
     where = f"prefill {section.prefill_url}, decode {section.decode_url}"
-    serve_router(Router(section.prefill_url, section.decode_url), serve.host, serve.port, name, where)
+    serve_router(Router(section.prefill_url, section.decode_url), bind_socket(serve.host, serve.port), name, where)
 
 
 @contextlib.contextmanager

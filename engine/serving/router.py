@@ -130,7 +130,9 @@ class Router:
 
     async def health(self):
         """200 while both instances are healthy; 503 naming the one that is not."""
-        self.client  # noqa: B018 (starts the poller)
+        if self._poller is None:  # the first call: start the poller and check both now, not "not checked yet"
+            self.client  # noqa: B018
+            await asyncio.gather(self._check(self.prefill), self._check(self.decode))
         down = [i for i in (self.prefill, self.decode) if not i.healthy]
         if not down:
             return {"status": "ok", "prefill": self.prefill.url, "decode": self.decode.url}
