@@ -1,14 +1,42 @@
-"""A uvicorn server run from a background thread (tests, tools and offline runs that embed a server or the router):
-started on a bound socket, returned once it accepts connections, stopped on request."""
+"""Uvicorn servers as the engine's servers and the router use them (`uvicorn_server`), and one run from a background
+thread (tests, tools and offline runs that embed a server or the router): started on a bound socket, returned once
+it accepts connections, stopped on request."""
 
 from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 START_TIMEOUT_S = 60.0
+
+
+def uvicorn_server(
+    app: Any,
+    banner: Callable[[], None] | None = None,
+    before_shutdown: Callable[[], Awaitable[None]] | None = None,
+    after_shutdown: Callable[[], Awaitable[None]] | None = None,
+    **config: Any,
+) -> Any:
+    """A quiet uvicorn server for `app` (no lifespan, no access log) that calls `banner()` once it listens and awaits
+    `before_shutdown()` / `after_shutdown()` around its own shutdown; `config`: further uvicorn.Config options."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started and banner is not None:
+                banner()
+
+        async def shutdown(self, sockets=None) -> None:
+            if before_shutdown is not None:
+                await before_shutdown()
+            await super().shutdown(sockets)
+            if after_shutdown is not None:
+                await after_shutdown()
+
+    return _Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", **config))
 
 
 class ServerHandle:

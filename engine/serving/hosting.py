@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI
 
 from engine.errors import UserError
-from engine.serving.background import ServerHandle, serve_in_background
+from engine.serving.background import ServerHandle, serve_in_background, uvicorn_server
 from engine.serving.engine_loop import EngineLoop
 from engine.serving.openai_app import OpenAIServer
 
@@ -52,31 +52,23 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def _uvicorn_server(app: FastAPI, engine_loop: EngineLoop, banner: Callable[[], None] | None):
-    import uvicorn
+    async def before_shutdown() -> None:
+        logger.info("shutting down")
+        # fail the requests in flight first, so that uvicorn's wait for open connections is short
+        engine_loop.begin_shutdown()
 
-    class _Server(uvicorn.Server):
-        async def startup(self, sockets=None) -> None:
-            await super().startup(sockets)
-            if self.started and banner is not None:
-                banner()
+    async def after_shutdown() -> None:
+        # join the engine thread (it stops the other ranks) before uvicorn re-raises a captured SIGTERM
+        await asyncio.to_thread(engine_loop.stop)
 
-        async def shutdown(self, sockets=None) -> None:
-            logger.info("shutting down")
-            # fail the requests in flight first, so that uvicorn's wait for open connections is short
-            engine_loop.begin_shutdown()
-            await super().shutdown(sockets)
-            # join the engine thread (it stops the other ranks) before uvicorn re-raises a captured SIGTERM
-            await asyncio.to_thread(engine_loop.stop)
-
-    config = uvicorn.Config(
+    return uvicorn_server(
         app,
-        log_level="warning",
-        access_log=False,
+        banner,
+        before_shutdown,
+        after_shutdown,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-        lifespan="off",
         timeout_keep_alive=30,
     )
-    return _Server(config)
 
 
 def start_server(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 0) -> ServerHandle:

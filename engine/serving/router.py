@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.errors import UserError
-from engine.serving.background import ServerHandle, serve_in_background
+from engine.serving.background import ServerHandle, serve_in_background, uvicorn_server
 from engine.serving.http import BodyLimitMiddleware, install_error_handlers
 from engine.serving.protocol import MAX_BODY_BYTES, parse_json_body
 from engine.serving.responses import ServerError
@@ -273,22 +273,7 @@ def _error_text(response: httpx.Response) -> str:
 
 def router_server(router: Router, banner: Any = None) -> Any:
     """A uvicorn server for the router; `banner()` is called once it listens."""
-    import uvicorn
-
-    class _Server(uvicorn.Server):
-        async def startup(self, sockets=None) -> None:
-            await super().startup(sockets)
-            if self.started and banner is not None:
-                banner()
-
-        async def shutdown(self, sockets=None) -> None:
-            await super().shutdown(sockets)
-            await router.close()
-
-    config = uvicorn.Config(
-        router.app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
-    )
-    return _Server(config)
+    return uvicorn_server(router.app, banner, after_shutdown=router.close, timeout_graceful_shutdown=5)
 
 
 def start_router(router: Router, sock: socket.socket) -> ServerHandle:
