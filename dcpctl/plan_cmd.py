@@ -14,8 +14,11 @@ from dcpctl.args import split_plans_and_overrides
 from dcpctl.render import render_validation
 from dcpctl.suggest_view import render_suggestion, suggestion_to_dict
 from engine import dcp
+from engine.dcp import DcpSpec
 from engine.errors import UserError
+from engine.kv_transfer.summary import HandoffSide
 from engine.plan.checks import validate_plan_file
+from engine.plan.disagg import handoff_side, handoff_summary
 from engine.plan.kv_sizing import format_bytes, parse_memory
 from engine.plan.loader import plan_to_dict
 from engine.plan.resolved import ResolvedPlan
@@ -106,6 +109,67 @@ def ownership_picture(length: int, block_size: int, interleave: int, dcp_size: i
     return text
 
 
+def handoff_picture(length: int, prefill: DcpSpec, decode: DcpSpec) -> Text:
+    """Positions 0..length-1 coloured by the owning DCP rank on each side; '|' marks a side's virtual block."""
+    text = Text()
+    for row_start in range(0, length, 64):
+        for label, spec in (("prefill", prefill), ("decode", decode)):
+            span = dcp.tokens_per_virtual_block(spec.block_size, spec.dcp)
+            text.append(f"{row_start:>6} {label:<8}", style="dim")
+            for p in range(row_start, min(length, row_start + 64)):
+                text.append("|" if p % span == 0 and p else " " if p == row_start else "", style="bold white")
+                rank = dcp.owner(p, spec.interleave, spec.dcp)
+                text.append(str(rank % 10), style=f"bold {RANK_COLORS[rank % len(RANK_COLORS)]}")
+            text.append("\n")
+    return text
+
+
+def _render_handoff(console: Console, res: ResolvedPlan, positions: int) -> None:
+    """A P/D plan's hand-off: where each decode rank's first block comes from, runs and descriptors per block, and
+    per request at this interleave, at interleave = block size and at interleave 1."""
+    summary = handoff_summary(res)
+    if summary is None:
+        console.print("[yellow]hand-off needs both plans' layouts (model folder absent or a plan invalid)[/]")
+        return
+    pre, dec = handoff_side(res.disagg.prefill), handoff_side(res)
+    cache = "head-major" if dec.head_major else "token-major"
+
+    def side(s: HandoffSide) -> str:
+        p = s.layout
+        return f"{s.name} (tp{p.tp} dcp{s.spec.dcp} I{s.spec.interleave} B{s.spec.block_size})"
+
+    console.print(Text.assemble(("hand-off  ", "bold"), f"prefill {side(pre)} -> decode {side(dec)}, {cache} cache"))
+    console.print(f"owner of positions 0..{positions - 1} on each side ('|' = a virtual block of that side):")
+    console.print(handoff_picture(positions, pre.spec, dec.spec))
+    per_block = dec.layers * dec.kinds
+    kv = "K/V" if dec.kinds == 2 else "latent"
+    for b in summary.blocks:
+        sources = ", ".join(
+            f"rank {r} block {blk} " + "".join(f"[{a}-{z}]" for a, z in slots) for r, blk, slots in b.sources
+        )
+        console.print(f"decode rank {b.rank}, block 0 ({b.local_tokens} tokens) <- prefill {sources}")
+        console.print(
+            f"    {b.runs} runs -> {b.descriptors} descriptor{'s' if b.descriptors != 1 else ''} per layer per {kv} "
+            f"(x {dec.layers} layers{' x 2' if dec.kinds == 2 else ''} = {b.descriptors * per_block} per block)"
+        )
+
+    def counts(per_rank: list[int]) -> str:
+        return " / ".join(f"{d:,}" for d in per_rank)
+
+    console.print("descriptors per decode rank per request (prompt of N tokens; ranks separated by /):")
+    for n, per_rank in summary.per_request.items():
+        mib = max(b for _, b in per_rank) / 2**20
+        console.print(f"  N={n}: {counts([d for d, _ in per_rank])}  ({mib:.2f} MiB per rank)")
+    for interleave, per_n in summary.compare.items():
+        why = " (= block size: one per block per layer per " + kv + ")" if interleave == dec.spec.block_size else ""
+        line = "; ".join(f"N={n}: {counts(d)}" for n, d in per_n.items())
+        console.print(f"  at interleave {interleave}{why}: {line}")
+    console.print(
+        f"  a cache laid out block-major across layers would need 1 descriptor per block at interleave = block size "
+        f"(now {per_block})"
+    )
+
+
 def _render_show(console: Console, res: ResolvedPlan, positions: int) -> None:
     plan = res.plan
     p, c = plan.parallel, plan.cache
@@ -161,6 +225,8 @@ def _render_show(console: Console, res: ResolvedPlan, positions: int) -> None:
         f"block {c.block_size}, virtual block = {dcp.tokens_per_virtual_block(c.block_size, p.dcp)} tokens):"
     )
     console.print(ownership_picture(positions, c.block_size, p.interleave, p.dcp))
+    if res.disagg is not None:
+        _render_handoff(console, res, positions)
 
 
 @app.command("show")

@@ -26,19 +26,27 @@ def run(
     ignore_eos: Annotated[bool, typer.Option(help="Keep generating past EOS (benchmarks).")] = False,
     logprobs: Annotated[int | None, typer.Option(help="Record top-N logprobs of each generated token.")] = None,
     output: Annotated[Path | None, typer.Option(help="Write one JSON object per prompt (JSONL), in order.")] = None,
+    role: Annotated[
+        str, typer.Option(help="A P/D plan: all (both instances and the router), prefill, decode or router.")
+    ] = "all",
 ) -> None:
     """Launch the plan's ranks (torchrun for more than one) and serve an OpenAI-compatible API,
-    or generate for the given prompts and print a results table."""
+    or generate for the given prompts and print a results table. A P/D plan starts its prefill and decode
+    instances and serves through a router (or one piece of it, with --role)."""
     from engine.offline import OfflineJob, read_prompts
-    from engine.serve_entry import launch_ranks, runnable_plan, serve
+    from engine.serve_entry import ROLES, launch_ranks, runnable_plan, serve
 
     plans, overrides = split_plans_and_overrides(args)
     if len(plans) != 1:
         raise typer.BadParameter("dcpctl run takes one plan file")
+    if role not in ROLES:
+        raise typer.BadParameter(f"--role must be one of {', '.join(ROLES)}")
     resolved = runnable_plan(plans[0], overrides)
     prompts = list(prompt or []) + (read_prompts(prompts_file) if prompts_file else [])
     if not prompts:
-        return serve(resolved, overrides)
+        return serve(resolved, overrides, role)
+    if role != "all":
+        raise typer.BadParameter("offline generation (--prompt, --prompts-file) runs the whole plan: drop --role")
     params = {
         "max_tokens": max_tokens,
         "temperature": temperature,
@@ -53,6 +61,13 @@ def run(
 
     SamplingParams(**params).validate()
     job = OfflineJob(prompts=prompts, params=params, output=str(output) if output else None)
+    if resolved.disagg is not None:  # through the deployment's router, as a client would
+        from engine.offline import run_offline_over_http
+        from engine.serving.deployment import deployment_url
+
+        with deployment_url(resolved.source, resolved.name, overrides, resolved.plan.disagg) as url:
+            run_offline_over_http(url, job)
+        return None
     if resolved.world_size == 1:
         from engine.llm import LLM
         from engine.offline import run_offline

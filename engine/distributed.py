@@ -217,3 +217,12 @@ def broadcast_object(obj: object, group: dist.ProcessGroup | None) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
+
+
+def gather_objects(obj: object, group: dist.ProcessGroup | None) -> list[object] | None:
+    """Every rank's picklable `obj` on rank 0 of the control group, in rank order (None on the other ranks)."""
+    if group is None:
+        return [obj]
+    out = [None] * dist.get_world_size(group) if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0, group=group)
+    return out

@@ -91,6 +91,11 @@ class LLM:
 
     def __init__(self, plan: str | Path | ResolvedPlan, overrides: list[str] | None = None):
         resolved = resolve_plan(plan, overrides)
+        if resolved.disagg is not None:
+            raise UserError(
+                f"plan {resolved.name} is a P/D plan (two instances and a router): run it with "
+                f"`dcpctl run {resolved.source}`, or use its prefill or decode plan here"
+            )
         if (resolved.world_size or 1) > 1 and "RANK" not in os.environ:
             raise UserError(
                 f"plan {resolved.name} needs {resolved.world_size} ranks: run it with "

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
-from engine.core.sequence import SamplingParams
+from engine.core.sequence import SamplingParams, TokenLogprob
 from engine.errors import UserError
 from engine.io_utils import atomic_write_text
 
@@ -88,21 +91,125 @@ def _record(output) -> dict:
     return record
 
 
-def run_offline(llm, job: OfflineJob, console: Console | None = None) -> list[dict]:
-    """Generate every prompt of the job with `llm` (an engine.LLM on rank 0); write results if asked."""
-    console = console or Console()
-    params = job.sampling_params()
-    with Progress(
+def _progress(console: Console) -> Progress:
+    return Progress(
         TextColumn("[bold]generating"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         console=console,
         transient=True,
-    ) as progress:
+    )
+
+
+def run_offline(llm, job: OfflineJob, console: Console | None = None) -> list[dict]:
+    """Generate every prompt of the job with `llm` (an engine.LLM on rank 0); write results if asked."""
+    console = console or Console()
+    params = job.sampling_params()
+    with _progress(console) as progress:
         task = progress.add_task("generate", total=len(job.prompts))
         outputs = llm.generate(job.prompts, params, on_finish=lambda _: progress.advance(task))
-    records = [_record(o) for o in outputs]
+    return _report([_record(o) for o in outputs], job, llm.engine.stats(), console)
+
+
+def run_offline_over_http(url: str, job: OfflineJob, console: Console | None = None) -> list[dict]:
+    """The same job through a server's /v1/completions (a P/D deployment's router): every prompt in flight at
+    once (up to HTTP_CONCURRENCY), the same records. A per-request preemption count is not in the API (None); the
+    time to first token is the server's, from the hand-off's split."""
+    console = console or Console()
+    with _progress(console) as progress:
+        task = progress.add_task("generate", total=len(job.prompts))
+        records = asyncio.run(_generate_over_http(url, job, lambda: progress.advance(task)))
+    with httpx.Client(timeout=30, trust_env=False) as client:
+        stats = client.get(f"{url}/v1/engine/stats").json()
+    return _report(records, job, stats, console)
+
+
+HTTP_CONCURRENCY = 64
+
+
+async def _generate_over_http(url: str, job: OfflineJob, advance) -> list[dict]:
+    params = job.sampling_params()
+    gate = asyncio.Semaphore(HTTP_CONCURRENCY)
+    async with httpx.AsyncClient(base_url=url, timeout=None, trust_env=False) as client:
+
+        async def one(prompt: str | list[int]) -> dict:
+            body = {
+                "prompt": prompt,
+                "max_tokens": params.max_tokens,
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "top_k": params.top_k,
+                "seed": params.seed,
+                "stop": params.stop or None,
+                "ignore_eos": params.ignore_eos,
+                "logprobs": params.logprobs,
+                "return_token_ids": True,
+                "return_tokens_as_token_ids": True,
+            }
+            async with gate:
+                start = time.perf_counter()
+                response = await client.post("/v1/completions", json=body)
+                latency = time.perf_counter() - start
+            advance()
+            return _http_record(prompt, response, latency)
+
+        return list(await asyncio.gather(*(one(p) for p in job.prompts)))
+
+
+def _token_id(name: str) -> int:
+    return int(name.removeprefix("token_id:"))
+
+
+def _http_record(prompt: str | list[int], response: httpx.Response, latency: float) -> dict:
+    """A completions response as an offline record (what `_record` writes for an engine's output)."""
+    from engine.llm import RequestOutput  # not at the top: the engine (torch) is not needed to talk to a server
+
+    text_prompt = prompt if isinstance(prompt, str) else None
+    try:
+        body = response.json()
+    except ValueError:
+        body = {}
+    if response.status_code != 200:
+        error = (body.get("error") or {}).get("message") if isinstance(body, dict) else None
+        record = _record(RequestOutput.rejected(prompt, error or f"HTTP {response.status_code}"))
+        record["prompt"] = prompt
+        return record
+    choice = body["choices"][0]
+    logprobs = []
+    if choice.get("logprobs"):
+        block = choice["logprobs"]
+        for token, logprob, top in zip(block["tokens"], block["token_logprobs"], block["top_logprobs"], strict=True):
+            logprobs.append(
+                TokenLogprob(_token_id(token), logprob, [(_token_id(t), lp) for t, lp in (top or {}).items()])
+            )
+    split = (body.get("kv_transfer") or [None])[0]
+    ttft = None
+    if split and "error" not in split:
+        parts = ("prefill_s", "claim_s", "queue_s", "transfer_s", "first_decode_s")
+        ttft = sum(split.get(k) or 0.0 for k in parts)
+    output = RequestOutput(
+        request_id=body.get("id", ""),
+        prompt=text_prompt,
+        prompt_token_ids=choice["prompt_token_ids"],
+        text=choice["text"],
+        token_ids=choice["token_ids"],
+        finish_reason=choice["finish_reason"],
+        stop_reason=choice.get("stop_reason"),
+        logprobs=logprobs,
+        prompt_logprobs=[],
+        num_preemptions=None,
+        ttft_s=ttft,
+        latency_s=latency,
+    )
+    record = _record(output)
+    if split:
+        record["kv_transfer"] = split
+    return record
+
+
+def _report(records: list[dict], job: OfflineJob, stats: dict, console: Console) -> list[dict]:
+    """Write the records (when the job names a file) and show the table and the engine's counters."""
     if job.output:
         atomic_write_text(job.output, "".join(json.dumps(r) + "\n" for r in records))
     if job.show_table:
@@ -113,7 +220,6 @@ def run_offline(llm, job: OfflineJob, console: Console | None = None) -> list[di
             text = Text(_clip(r["text"])) if "error" not in r else Text(f"error: {r['error']}", style="red")
             table.add_row(str(i), Text(_clip(str(r["prompt"]))), text, str(len(r["token_ids"])), r["finish_reason"])
         console.print(table)
-        stats = llm.engine.stats()
         console.print(
             f"{stats['generated_tokens']} tokens generated in {stats['steps']} steps; "
             f"prefix cache reused {stats['prefix_hit_tokens']} prompt tokens; {stats['preemptions']} preemptions"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 def kv_replication(tp: int, num_kv_heads: int, is_mla: bool) -> int:
@@ -171,3 +172,39 @@ class ParallelLayout:
             for m in range(self.replicas)
             for key in range(self.tp // span)
         ]
+
+
+class HeadSource(NamedTuple):
+    """Consecutive KV heads of a decode rank and the prefill DCP group that holds them."""
+
+    src_ranks: tuple[int, ...]  # the prefill DCP group's global ranks, in dcp_rank order
+    src_head: int  # first of these heads in the prefill ranks' storage (local head index)
+    dst_head: int  # first of these heads in the decode rank's storage (local head index)
+    count: int
+
+
+def kv_head_sources(src: ParallelLayout, dst: ParallelLayout, dst_rank: int) -> list[HeadSource]:
+    """Where decode rank `dst_rank` of layout `dst` finds each of its KV heads in layout `src` (same model).
+
+    A head held by several prefill DCP groups (KV replication under TP, or MLA's one latent) is taken from group
+    `dst_rank % copies`, which spreads the decode ranks over the copies. ValueError when a head has no source.
+    """
+    role = dst.role(dst_rank)
+    holders: dict[int, list[tuple[tuple[int, ...], int]]] = {}
+    for group in src.dcp_groups():
+        first = src.role(group[0])
+        for local in range(first.kv_heads):
+            holders.setdefault(first.kv_head_start + local, []).append((tuple(group), local))
+    sources: list[HeadSource] = []
+    for local in range(role.kv_heads):
+        head = role.kv_head_start + local
+        copies = holders.get(head)
+        if not copies:
+            raise ValueError(f"decode rank {dst_rank}'s KV head {head} is held by no prefill rank")
+        ranks, src_head = copies[dst_rank % len(copies)]
+        last = sources[-1] if sources else None
+        if last is not None and last.src_ranks == ranks and last.src_head + last.count == src_head:
+            sources[-1] = last._replace(count=last.count + 1)
+        else:
+            sources.append(HeadSource(ranks, src_head, local, 1))
+    return sources

@@ -64,6 +64,7 @@ def _run_job(argv: list[str] | None) -> int:
     job = parser.add_mutually_exclusive_group(required=True)
     job.add_argument("--job-file")
     job.add_argument("--serve", action="store_true")
+    parser.add_argument("--kv-role", choices=("prefill", "decode"), help="serve this instance of a P/D plan")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
@@ -76,7 +77,12 @@ def _run_job(argv: list[str] | None) -> int:
         if args.serve:
             from engine.serving.hosting import serve_plan
 
-            serve_plan(resolved)
+            kv_role = None
+            if args.kv_role:
+                from engine.plan.disagg import instance
+
+                resolved, kv_role = instance(resolved, args.kv_role)
+            serve_plan(resolved, kv_role)
         else:
             from engine.llm import LLM
             from engine.offline import OfflineJob, run_offline

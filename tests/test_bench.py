@@ -123,6 +123,30 @@ def test_metrics_from_known_timestamps():
     assert tpot_of(_records()[3]) is None
 
 
+def test_handoff_metrics_per_decode_rank_and_the_ttft_split():
+    def hand_off(transfer, raw, prefill, first_decode, error=None):
+        ranks = [
+            {"rank": r, "descriptors": 240, "bytes": 11 * 2**20, "transfer_s": t, "raw_transfer_s": w}
+            for r, (t, w) in enumerate(zip(transfer, raw, strict=True))
+        ]
+        split = {"prefill_s": prefill, "claim_s": 0.01, "queue_s": 0.02, "transfer_s": max(transfer)}
+        return {**split, "first_decode_s": first_decode, "per_rank": ranks} | ({"error": error} if error else {})
+
+    records = [
+        RequestRecord(0, 512, 0.0, 1.0, [1.0], 1.0, 1, kv_transfer=hand_off([0.04, 0.06], [0.02, 0.02], 4.0, 0.2)),
+        RequestRecord(1, 512, 0.0, 1.0, [1.0], 1.0, 1, kv_transfer=hand_off([0.08, 0.02], [0.04, 0.01], 2.0, 0.4)),
+        RequestRecord(2, 512, 0.0, 1.0, [1.0], 1.0, 1, kv_transfer=hand_off([9.0], [0.01], 9.0, 9.0, "failed")),
+        RequestRecord(3, 512, 0.0, 1.0, [1.0], 1.0, 1),  # not a P/D request
+    ]
+    h = compute_metrics(records, duration_s=1.0).handoff
+    assert h.requests == 2 and h.descriptors_per_rank == 240 and h.bytes_per_rank == 11 * 2**20
+    assert (h.transfer.min, h.transfer.mean) == (pytest.approx(0.02), pytest.approx(0.05))
+    assert (h.ratio.min, h.ratio.mean) == (pytest.approx(2.0), pytest.approx(2.25))  # 2, 3, 2, 2
+    assert h.prefill.mean == pytest.approx(3.0) and h.claim_queue.mean == pytest.approx(0.03)
+    assert h.transfer_ttft.mean == pytest.approx(0.07) and h.first_decode.mean == pytest.approx(0.3)
+    assert compute_metrics(records[3:], duration_s=1.0).handoff is None
+
+
 def test_metrics_of_all_failed_requests_are_empty():
     m = compute_metrics([RequestRecord(0, 5, error="boom")], duration_s=1.0)
     assert m.completed == 0 and m.failed == 1 and m.output_throughput == 0

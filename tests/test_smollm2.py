@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.oracle import LOGPROB_TOL, hf_greedy, write_plan
+from tests.oracle import LOGPROB_TOL, hf_greedy, read_jsonl, write_plan
 from tests.test_dcp_equivalence import dcpctl_run
 
 pytestmark = pytest.mark.slow
@@ -21,6 +24,7 @@ PROMPTS = [
     "Hi",
 ]
 NEW_TOKENS = 32
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +68,28 @@ def test_tp1_dcp2_replicas_match_hf(tmp_path, smollm2, interleave):
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
     for prompt, record in zip(PROMPTS, records, strict=True):
+        assert_matches_hf(
+            smollm2, tokenizer(prompt).input_ids, record["token_ids"], [lp["logprob"] for lp in record["logprobs"]]
+        )
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("interleave", [1, 16, 64])
+def test_shipped_pd_plans_through_the_router_match_hf(tmp_path, smollm2, interleave):
+    """`dcpctl run plans/cpu/smollm2_pd_dcp2_iN.yaml --prompts-file`: prefill tp1/dcp1 -> decode tp1/dcp2 over NIXL,
+    offline through the deployment's router, token for token HF's (and so the colocated plans')."""
+    plan = REPO / f"plans/cpu/smollm2_pd_dcp2_i{interleave}.yaml"
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "dcpctl.cli", "run", str(plan), "cache.memory=128MiB", "prefill.cache.memory=128MiB"]
+    cmd += ["--prompts-file", str(prompts_file), "--max-tokens", str(NEW_TOKENS), "--ignore-eos", "--logprobs", "1"]
+    result = subprocess.run([*cmd, "--output", str(out)], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    for prompt, record in zip(PROMPTS, read_jsonl(out), strict=True):
         assert_matches_hf(
             smollm2, tokenizer(prompt).input_ids, record["token_ids"], [lp["logprob"] for lp in record["logprobs"]]
         )

@@ -11,6 +11,8 @@ import mmap
 
 import torch
 
+from engine.attention import kv_layout
+
 
 def allocate(
     num_layers: int,
@@ -25,9 +27,9 @@ def allocate(
 ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor | None]]]:
     """The storage and each layer's (key cache, value cache or None when values live in the keys, as in MLA)."""
     kinds = 1 if value_in_key else 2
-    inner = (kv_heads, block_size, key_dim) if head_major else (block_size, kv_heads, key_dim)
+    shape = kv_layout.storage_shape(num_layers, kinds, num_blocks, block_size, kv_heads, key_dim, head_major)
     # zeros, not empty: padded gathers read unwritten slots, and 0 * NaN would poison the output
-    storage = zeros((num_layers, kinds, num_blocks, *inner), dtype, device)
+    storage = zeros(shape, dtype, device)
     views = storage.permute(0, 1, 2, 4, 3, 5) if head_major else storage
     return storage, [(views[i, 0], None if value_in_key else views[i, 1]) for i in range(num_layers)]
 
@@ -46,3 +48,21 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     if hasattr(mmap, "MADV_HUGEPAGE"):  # fewer faults and TLB misses where transparent huge pages are opt-in
         buffer.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)
+
+
+def geometry(storage: torch.Tensor, head_major: bool) -> kv_layout.CacheGeometry:
+    """Where `allocate`'s storage lies in memory, for the KV hand-off's byte descriptors."""
+    layers, kinds, num_blocks = storage.shape[:3]
+    heads, block_size = (storage.shape[3], storage.shape[4]) if head_major else (storage.shape[4], storage.shape[3])
+    return kv_layout.CacheGeometry(
+        base_addr=storage.data_ptr(),
+        nbytes=storage.numel() * storage.element_size(),
+        layers=layers,
+        kinds=kinds,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        heads=heads,
+        head_bytes=storage.shape[5] * storage.element_size(),
+        head_major=head_major,
+        device_id=storage.device.index or 0,
+    )

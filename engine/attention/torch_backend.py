@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata, PagedKV, PrefillNew
+from engine.attention.kv_layout import HEAD_MAJOR_BACKENDS
 
 NEG_INF = float("-inf")
 
@@ -82,7 +83,7 @@ def _physical(cache: torch.Tensor) -> torch.Tensor:
 
 class TorchBackend(AttentionBackend):
     name = "torch"
-    head_major_cache = True
+    head_major_cache = name in HEAD_MAJOR_BACKENDS
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         slots = metadata.slot_mapping

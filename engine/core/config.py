@@ -9,6 +9,7 @@ from pathlib import Path
 from engine.checkpoints.model_info import ModelInfo
 from engine.core.scheduler import SchedulerConfig
 from engine.errors import UserError
+from engine.kv_transfer.handles import KVRole
 from engine.parallel_layout import ParallelLayout
 from engine.plan.kv_sizing import parse_memory
 from engine.plan.resolved import ResolvedPlan
@@ -37,11 +38,12 @@ class EngineConfig:
     prefix_caching: bool
     threads_per_rank: int
     local_world_size: int  # ranks on this node, which share its cores
+    kv_role: KVRole | None = None  # P/D: this instance's part in the hand-off
 
     @classmethod
-    def from_plan(cls, resolved: ResolvedPlan) -> EngineConfig:
+    def from_plan(cls, resolved: ResolvedPlan, kv_role: KVRole | None = None) -> EngineConfig:
         """The engine's slice of a valid plan (`PlanCheck.require_valid`); a UserError when its model folder is
-        not here."""
+        not here. `kv_role`: the instance's part in a P/D hand-off."""
         if resolved.missing_model:
             raise UserError(resolved.missing_model)
         plan = resolved.plan
@@ -72,4 +74,5 @@ class EngineConfig:
             prefix_caching=plan.cache.prefix_caching,
             threads_per_rank=plan.launch.threads_per_rank,
             local_world_size=resolved.local_world_size,
+            kv_role=kv_role,
         )

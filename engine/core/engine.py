@@ -11,17 +11,20 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig
 from engine.core.detokenizer import Detokenizer
+from engine.core.handoff import Handoff
 from engine.core.sampler import INVALID, sample, token_logprobs
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import SamplingParams, Sequence
 from engine.distributed import ParallelContext, broadcast_object
 from engine.errors import UserError
+from engine.kv_transfer.handles import RankEndpoint, RemotePrefill
 from engine.runtime.model_runner import ModelRunner, StepLogits
 from engine.runtime.step import ScheduledStep
 
@@ -56,7 +59,13 @@ class EngineCounters:
 class LLMEngine:
     """The driver: owns tokenizer, scheduler and block manager; runs steps on every rank."""
 
-    def __init__(self, config: EngineConfig, par: ParallelContext, runner: ModelRunner):
+    def __init__(
+        self,
+        config: EngineConfig,
+        par: ParallelContext,
+        runner: ModelRunner,
+        prefill_ranks: list[RankEndpoint] | None = None,
+    ):
         from transformers import AutoConfig, AutoTokenizer
 
         self.config = config
@@ -67,7 +76,8 @@ class LLMEngine:
         self.eos_ids = _eos_ids(config.model_path, AutoConfig.from_pretrained(config.model_path), self.tokenizer)
         cache = runner.cache_layout
         self.blocks = BlockManager(cache.num_blocks, cache.block_size, par.dcp_size, config.prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.blocks)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, config.kv_role)
+        self.handoff = Handoff.for_role(config, par, self.blocks, prefill_ranks)
         self.requests: dict[str, Sequence] = {}
         self.generators: dict[int, torch.Generator] = {}
         self.counters = EngineCounters()
@@ -82,9 +92,22 @@ class LLMEngine:
         """Token ids as the model's tokenizer makes them by default (special tokens as HF adds them)."""
         return self.tokenizer(prompt).input_ids
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
-        """Queue a request; a UserError says why it cannot run (bad parameters, too long)."""
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        export: bool = False,
+        remote: RemotePrefill | None = None,
+    ) -> Sequence:
+        """Queue a request; a UserError says why it cannot run (bad parameters, too long).
+
+        P/D: `export` (a prefill instance) keeps the prompt's KV blocks for a decode instance when the request
+        finishes; `remote` (a decode instance) pulls the prompt's KV from the prefill instance instead of
+        computing it.
+        """
         params.validate()
+        self.handoff.check_request(export, remote, params)
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -101,6 +124,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise UserError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, ids, params, prompt=text)
+        seq.export, seq.remote = export, remote
         if params.seed is not None:
             self.generators[seq.seq_id] = torch.Generator(device=self.par.device).manual_seed(params.seed)
         self.requests[request_id] = seq
@@ -114,13 +138,22 @@ class LLMEngine:
         if seq is not None and not seq.is_finished:
             self._finish(seq, "abort", flush=False)  # nobody reads its text: nothing to detokenize (or fail)
 
+    def housekeeping(self) -> float | None:
+        """Free the exports whose lease ran out; seconds until the next one does (None: nothing to wait for)."""
+        exports = self.handoff.exports
+        if exports is None:
+            return None
+        exports.expire()
+        return exports.next_expiry_s()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    def stats(self) -> dict[str, int]:
-        """KV blocks (used, free, peak), batch sizes and token counters, as of now."""
+    def stats(self) -> dict[str, Any]:
+        """KV blocks (used, free, peak), batch sizes and token counters, as of now (and the P/D hand-off's)."""
         blocks, scheduler, counters = self.blocks, self.scheduler, self.counters
         return {
+            **self.handoff.stats(),
             "num_blocks": blocks.num_blocks,
             "used_blocks": blocks.num_used_blocks,
             "free_blocks": blocks.num_free_blocks,
@@ -139,7 +172,10 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, flush: bool = True) -> None:
         if flush:
             self.detokenizer.step(seq, final=True)
-        self.scheduler.finish(seq, reason)
+        keep = seq.export and reason in ("length", "stop")
+        self.scheduler.finish(seq, reason, release=not keep)
+        if keep:
+            seq.transfer_id = self.handoff.exports.keep(seq)
         self.generators.pop(seq.seq_id, None)
         self.requests.pop(seq.request_id, None)
         seq.finish_time = time.perf_counter()
@@ -147,15 +183,29 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Run one step on every rank; returns the sequences that got a token or finished."""
         scheduled, seqs = self.scheduler.schedule()
+        failed = self.scheduler.take_failed()
         if not scheduled.chunks:
-            return []
+            return failed
         broadcast_object(scheduled, self.par.control_group)
+        self.handoff.step_started()
+        reports = self.runner.receive(scheduled)
+        self.handoff.pulls_done()
         result = self.runner.execute(scheduled)
-        self.scheduler.step_done(seqs, scheduled)
+        pulled = self.handoff.pulled(scheduled, seqs, reports)
+        self.scheduler.step_done(seqs, scheduled, skip=pulled.failed)
+        for seq in pulled.failed_seqs:
+            if self.handoff.recompute_failed:
+                seq.remote = None
+                self.scheduler.requeue(seq)
+            else:
+                self._finish(seq, "error", flush=False)
+                failed.append(seq)
         self.counters.steps += 1
-        return self._process(scheduled, seqs, result)
+        return failed + self._process(scheduled, seqs, result, skip=pulled.failed)
 
-    def _process(self, scheduled: ScheduledStep, seqs: list[Sequence], result: StepLogits | None) -> list[Sequence]:
+    def _process(
+        self, scheduled: ScheduledStep, seqs: list[Sequence], result: StepLogits | None, skip: frozenset[int]
+    ) -> list[Sequence]:
         """Sample, detokenize and check stops for the step's sequences.
 
         A failure in that work for one sequence finishes only that sequence (finish_reason "error", blocks freed);
@@ -165,6 +215,8 @@ class LLMEngine:
         updated: list[Sequence] = []
         sampled_rows, sampled_seqs = [], []
         for i, (seq, chunk) in enumerate(zip(seqs, scheduled.chunks, strict=True)):
+            if seq.seq_id in skip:
+                continue
             first, count = result.chunk_rows[i] if result else (0, 0)
             if chunk.prompt_logprobs and count:
                 try:
@@ -199,6 +251,7 @@ class LLMEngine:
                 self.counters.generated_tokens += 1
                 if seq.first_token_time is None:
                     seq.first_token_time = now
+                    self.handoff.first_token(seq, now)
                 self._check_stop(seq, token)
             except Exception as exc:
                 if seq.is_finished:  # it failed after the scheduler released it: the engine's own state is suspect

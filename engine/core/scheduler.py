@@ -4,15 +4,21 @@ Running sequences go first (a decode costs one token, an unfinished prompt conti
 chunks), then waiting ones join while blocks, `max_num_seqs` and the token budget allow.
 A running sequence that cannot get a block preempts the newest running one (recompute: its
 blocks are freed and it re-enters the queue at the front with the tokens it has so far).
+
+On a P/D decode instance a waiting sequence whose prompt was computed by the prefill instance is admitted with a
+pull: blocks for its whole prompt, a `KVPull` of the positions the prefix cache does not hold (all but the last),
+and a one-token chunk for the last position, which the ranks run once the pull is done.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
 from engine.core.block_manager import BlockManager
 from engine.core.sequence import Sequence, SequenceStatus
+from engine.kv_transfer.handles import LEASE_MARGIN_S, KVPull, KVRole
 from engine.runtime.step import ScheduledChunk, ScheduledStep
 
 
@@ -27,9 +33,11 @@ class SchedulerConfig:
 class Scheduler:
     """Owns the waiting queue and the running batch; plain Python, no torch."""
 
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, kv_role: KVRole | None = None):
         self.config = config
         self.blocks = blocks
+        self.kv_role = kv_role
+        self.failed: list[Sequence] = []  # finished with an error while scheduling (taken by the engine)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -41,24 +49,29 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Mark a sequence finished and give its blocks back."""
+    def finish(self, seq: Sequence, reason: str, release: bool = True) -> None:
+        """Mark a sequence finished and give its blocks back (unless `release` is False: an export keeps them)."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.release(seq)
+        if release:
+            self.blocks.release(seq)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def requeue(self, seq: Sequence) -> None:
+        """Put a running sequence back at the front of the queue with nothing computed (its blocks freed)."""
         self.running.remove(seq)
         self.blocks.release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.requeue(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
 
     def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
@@ -98,28 +111,73 @@ class Scheduler:
             picked.append((seq, n))
             budget -= n
             index += 1
+        pulls: list[KVPull] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.remote is not None:
+                if len(pulls) >= self.kv_role.max_pulls_per_step:
+                    break
+                if self._lease_too_short(seq):
+                    continue
             seq.num_computed_tokens = self.blocks.match_prefix(seq)
-            n = self._fit(seq.num_uncomputed_tokens, budget)
-            if n == 0 or not self.blocks.grow(seq, seq.num_computed_tokens + n):
+            n = 1 if seq.remote is not None else self._fit(seq.num_uncomputed_tokens, budget)
+            if n == 0 or not self.blocks.grow(seq, len(seq) if seq.remote is not None else seq.num_computed_tokens + n):
                 self.blocks.release(seq)  # hold no blocks while waiting; cached ones stay matchable
                 seq.num_computed_tokens = 0
                 if not self.running and not picked:
                     raise RuntimeError(f"sequence {seq.request_id!r} of {len(seq)} tokens cannot fit the KV cache")
                 break
             self.waiting.popleft()
+            if seq.remote is not None:
+                pulls.append(self._pull(seq))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self.peak_running = max(self.peak_running, len(self.running))
             picked.append((seq, n))
             budget -= n
         picked.sort(key=lambda item: item[1] == 1)  # prefill chunks first, decodes last (stable)
-        step = ScheduledStep([self._chunk(seq, n) for seq, n in picked])
+        step = ScheduledStep([self._chunk(seq, n) for seq, n in picked], pulls)
         return step, [seq for seq, _ in picked]
 
-    def step_done(self, seqs: list[Sequence], step: ScheduledStep) -> None:
-        """Advance each scheduled sequence by the tokens it computed and register full blocks."""
+    def _lease_too_short(self, seq: Sequence) -> bool:
+        """Fail a queued pull whose export would expire before its deadline (it waited too long)."""
+        if seq.remote.lease_left_s(time.monotonic()) > self.kv_role.transfer_timeout_s + LEASE_MARGIN_S:
+            return False
+        self.waiting.popleft()
+        seq.error = (
+            f"the prefill instance {seq.remote.prefill_url}'s export of this prompt expired while it waited here; "
+            "raise disagg.lease_s"
+        )
+        self.finish(seq, "error")
+        self.failed.append(seq)
+        return True
+
+    def _pull(self, seq: Sequence) -> KVPull:
+        """The pull of an admitted remote sequence: the positions before its last one that are not cached here."""
+        start, last = seq.num_computed_tokens, len(seq) - 1
+        seq.num_computed_tokens = last
+        remote, role = seq.remote, self.kv_role
+        return KVPull(
+            seq.seq_id,
+            list(seq.block_table),
+            start,
+            last,
+            remote.source,
+            remote.manifest.block_table,
+            role.transfer_timeout_s,
+            role.measure_raw,
+        )
+
+    def take_failed(self) -> list[Sequence]:
+        """The sequences that failed while being scheduled, since the last call."""
+        failed, self.failed = self.failed, []
+        return failed
+
+    def step_done(self, seqs: list[Sequence], step: ScheduledStep, skip: frozenset[int] = frozenset()) -> None:
+        """Advance each scheduled sequence by the tokens it computed and register full blocks (not the `skip`
+        sequence ids: their pull failed, so their blocks hold no valid KV)."""
         for seq, chunk in zip(seqs, step.chunks, strict=True):
+            if seq.seq_id in skip:
+                continue
             seq.num_computed_tokens = chunk.start + len(chunk.token_ids)
             self.blocks.commit(seq)

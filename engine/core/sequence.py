@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.errors import UserError
+from engine.kv_transfer.handles import RemotePrefill
 
 MAX_LOGPROBS = 20  # top-N alternatives per token, as OpenAI allows
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes (the end excluded)
@@ -97,6 +98,11 @@ class Sequence:
         # incremental detokenization offsets (see Detokenizer)
         self.prefix_offset = 0
         self.read_offset = 0
+        # prefill -> decode hand-off
+        self.export = False  # prefill side: keep the prompt's blocks for a decode instance when finished
+        self.transfer_id: str | None = None  # prefill side: the export's id, once kept
+        self.remote: RemotePrefill | None = None  # decode side: the prompt's KV comes from a prefill instance
+        self.kv_transfer: dict | None = None  # decode side: what the pull did (the response reports it)
 
     def __len__(self) -> int:
         return len(self.token_ids)

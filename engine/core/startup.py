@@ -21,9 +21,10 @@ from engine.checkpoints.model_info import dtype_bytes
 from engine.checkpoints.weights import checkpoint_files
 from engine.core.config import EngineConfig
 from engine.core.engine import LLMEngine
-from engine.distributed import ParallelContext, broadcast_object, init_parallel, init_single
+from engine.distributed import ParallelContext, broadcast_object, gather_objects, init_parallel, init_single
 from engine.errors import UserError
 from engine.io_utils import atomic_write_text
+from engine.kv_transfer.handles import KVRole
 from engine.plan.kv_sizing import kv_sizing
 from engine.plan.resolved import ResolvedPlan
 from engine.runtime.host_allocator import reuse_freed_memory
@@ -51,11 +52,14 @@ def _num_blocks(config: EngineConfig, par: ParallelContext) -> int:
     return int(blocks.item())
 
 
-def start_rank(resolved: ResolvedPlan) -> tuple[EngineConfig, ParallelContext, ModelRunner]:
-    """Join the plan's layout (torchrun world, or a single process) and build this rank's runner."""
+def start_rank(
+    resolved: ResolvedPlan, kv_role: KVRole | None = None
+) -> tuple[EngineConfig, ParallelContext, ModelRunner]:
+    """Join the plan's layout (torchrun world, or a single process) and build this rank's runner (with its part in
+    a P/D hand-off when `kv_role` says so)."""
     from transformers import AutoConfig
 
-    config = EngineConfig.from_plan(resolved)
+    config = EngineConfig.from_plan(resolved, kv_role)
     layout = config.layout
     device = torch.device("cuda" if config.device == "cuda" else "cpu")
     if layout.world_size == 1 and "RANK" not in os.environ:
@@ -86,6 +90,8 @@ def start_rank(resolved: ResolvedPlan) -> tuple[EngineConfig, ParallelContext, M
             dtype=TORCH_DTYPES[config.cache_dtype],
         )
     )
+    if kv_role is not None:
+        runner.attach_kv_role(kv_role)
     _write_rank_stats(par, runner)
     if runner.cpu_paths and par.is_driver:
         print(f"dcpctl: {runner.cpu_paths}", file=sys.stderr, flush=True)
@@ -113,17 +119,22 @@ def _write_rank_stats(par: ParallelContext, runner: ModelRunner) -> None:
     atomic_write_text(Path(folder) / f"rank{par.rank}.json", json.dumps(stats))
 
 
-def start_engine(resolved: ResolvedPlan, shield_followers: bool = False) -> LLMEngine | None:
+def start_engine(
+    resolved: ResolvedPlan, shield_followers: bool = False, kv_role: KVRole | None = None
+) -> LLMEngine | None:
     """Every rank's start: rank 0 gets its engine; any other rank follows rank 0's steps until rank 0 stops it,
     then gets None.
 
-    `shield_followers`: the followers ignore SIGINT and SIGTERM (a server's ranks). Rank 0 decides when to stop (it
-    tells them after its last step); a signal from torchrun must not kill a follower in the middle of a collective,
-    which would leave rank 0 hanging.
+    `kv_role`: the instance's part in a P/D deployment (a prefill instance's rank 0 learns every rank's NIXL
+    endpoint). `shield_followers`: the followers ignore SIGINT and SIGTERM (a server's ranks). Rank 0 decides when
+    to stop (it tells them after its last step); a signal from torchrun must not kill a follower in the middle of a
+    collective, which would leave rank 0 hanging.
     """
-    config, par, runner = start_rank(resolved)
+    config, par, runner = start_rank(resolved, kv_role)
+    exporter = runner.kv_exporter
+    endpoints = gather_objects(exporter.endpoint, par.control_group) if exporter is not None else None
     if par.is_driver:
-        return LLMEngine(config, par, runner)
+        return LLMEngine(config, par, runner, endpoints)
     if shield_followers:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
@@ -137,4 +148,5 @@ def follow(par: ParallelContext, runner: ModelRunner) -> None:
         step = broadcast_object(None, par.control_group)
         if step is None:
             return
+        runner.receive(step)
         runner.execute(step)

@@ -361,6 +361,11 @@ def check_plan(
     if info is not None:
         _check_kv(problems, res, info)
     _check_devices(problems, res, devices_here)
+    if plan.disagg.prefill is not None:
+        from engine.plan import disagg  # P/D plans only
+
+        prefill = validate_plan_file(disagg.prefill_file(loaded), loaded.prefill_overrides, strict=strict)
+        res.disagg = disagg.check_pair(problems, res, prefill)
     return PlanCheck(source=res.source, name=plan.name, problems=problems, resolved=res)
 
 

@@ -50,6 +50,9 @@ class PlanLoadError(Exception):
         super().__init__("; ".join(str(p) for p in problems))
 
 
+PREFILL_PREFIX = "prefill."  # a P/D plan's overrides of its prefill plan: prefill.KEY=VALUE
+
+
 @dataclass
 class LoadedPlan:
     """A plan that passed the schema, with where each field was set."""
@@ -58,6 +61,7 @@ class LoadedPlan:
     source: Path
     files: list[Path] = field(default_factory=list)  # the plan and its bases, child first
     origins: dict[str, tuple[str, int | None]] = field(default_factory=dict)  # field -> (file, line)
+    prefill_overrides: list[str] = field(default_factory=list)  # P/D: KEY=VALUE for the prefill plan
 
     def where(self, key: str) -> tuple[str, int | None]:
         """(file, line) that set `key`, or the plan file when it kept its default."""
@@ -229,8 +233,14 @@ def _assign(cfg: Any, key: str, value: Any, file: str, line: int | None) -> Plan
 
 
 def load_plan(path: str | Path, overrides: list[str] | None = None) -> LoadedPlan:
-    """Load a plan file with its bases and overrides; PlanLoadError lists every schema problem."""
+    """Load a plan file with its bases and overrides; PlanLoadError lists every schema problem.
+
+    Overrides `prefill.KEY=VALUE` are kept for a P/D plan's prefill plan (`LoadedPlan.prefill_overrides`).
+    """
     source = Path(path)
+    overrides = list(overrides or [])
+    prefill_overrides = [o[len(PREFILL_PREFIX) :] for o in overrides if o.startswith(PREFILL_PREFIX)]
+    overrides = [o for o in overrides if not o.startswith(PREFILL_PREFIX)]
     layers = _collect_files(source)
     flat: dict[str, Any] = {}
     origins: dict[str, tuple[str, int | None]] = {}
@@ -261,7 +271,8 @@ def load_plan(path: str | Path, overrides: list[str] | None = None) -> LoadedPla
     plan: Plan = OmegaConf.to_object(cfg)
     if not plan.name:
         plan.name = source.stem
-    return LoadedPlan(plan=plan, source=source.resolve(), files=[f for f, _, _ in reversed(layers)], origins=origins)
+    files = [f for f, _, _ in reversed(layers)]
+    return LoadedPlan(plan, source.resolve(), files, origins, prefill_overrides)
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:

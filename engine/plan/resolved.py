@@ -16,7 +16,16 @@ from engine.checkpoints.model_info import ModelInfo
 from engine.kernels.cpu_paths import CpuPaths
 from engine.parallel_layout import ParallelLayout
 from engine.plan.kv_sizing import KVSizing
-from engine.plan.schema import Plan
+from engine.plan.schema import DisaggSection, Plan
+
+
+@dataclass
+class DisaggPlan:
+    """A P/D plan's deployment: its disagg section and the prefill plan (None when that plan is not valid)."""
+
+    section: DisaggSection
+    prefill_name: str
+    prefill: ResolvedPlan | None
 
 
 @dataclass
@@ -40,6 +49,7 @@ class ResolvedPlan:
     kv_budget_bytes: int | None = None
     cpu_paths: CpuPaths | None = None  # CPU plans: the ISA level and the kernels chosen from it
     cpu_comm: str = ""  # CPU plans: "shm" or "gloo", what carries the tensor collectives between ranks
+    disagg: DisaggPlan | None = None  # P/D plans: the deployment (this plan is its decode side)
 
     @property
     def name(self) -> str:

@@ -17,8 +17,16 @@ DEVICES = ("auto", "cpu", "cuda")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 CPU_COMMS = ("auto", "shm", "gloo")
 
-# vLLM's name for parallel.interleave, accepted as an alias.
-KEY_ALIASES = {"parallel.cp_kv_cache_interleave_size": "parallel.interleave"}
+CONNECTORS = ("nixl",)
+FAILURE_POLICIES = ("fail", "recompute")
+
+# vLLM's names, accepted as aliases.
+KEY_ALIASES = {
+    "parallel.cp_kv_cache_interleave_size": "parallel.interleave",
+    "kv_transfer_config.kv_connector": "disagg.connector",
+    "kv_transfer_config.kv_load_failure_policy": "disagg.failure_policy",
+    "kv_transfer_config.kv_role": "disagg.kv_role",
+}
 
 
 @dataclass
@@ -78,6 +86,24 @@ class ServeSection:
 
 
 @dataclass
+class DisaggSection:
+    """A prefill -> decode (P/D) deployment: this plan is the decode side; `prefill` names the prefill plan."""
+
+    prefill: str | None = None  # the prefill plan file, relative to the file that sets it; unset: not a P/D plan
+    connector: str = "nixl"  # the KV transport (vLLM: kv_transfer_config.kv_connector, NixlConnector)
+    kv_role: str | None = None  # vLLM's kv_transfer_config.kv_role: a decode plan is kv_consumer (or unset)
+    prefill_port: int = 0  # the prefill instance's HTTP port (0: a free one)
+    decode_port: int = 0  # the decode instance's HTTP port behind the router (0: a free one)
+    prefill_url: str | None = None  # multi-node: where the decode instance and the router reach the prefill one
+    decode_url: str | None = None  # multi-node: where the router reaches the decode instance
+    lease_s: float = 300.0  # the prefill side frees an export nobody claimed or released after this
+    transfer_timeout_s: float = 30.0  # a decode rank gives up one pull after this
+    failure_policy: str = "fail"  # a failed pull: "fail" the request or "recompute" the prompt on the decode side
+    max_pulls_per_step: int = 16  # sequences the decode side admits with a pull in one step
+    measure_raw: bool = False  # benchmarks: also time one single-region READ of the same bytes
+
+
+@dataclass
 class Plan:
     name: str = ""
     description: str = ""
@@ -89,3 +115,4 @@ class Plan:
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     launch: LaunchSection = field(default_factory=LaunchSection)
     serve: ServeSection = field(default_factory=ServeSection)
+    disagg: DisaggSection = field(default_factory=DisaggSection)

@@ -16,8 +16,10 @@ import torch
 from engine import dcp
 from engine.attention import kv_cache
 from engine.attention.backend import AttentionBackend, AttentionMetadata, PagedKV, PrefillNew, step_metadata
-from engine.distributed import ParallelContext
+from engine.distributed import ParallelContext, gather_objects
 from engine.kernels.cpu_gemm import cpu_paths_line, pack_linears
+from engine.kv_transfer.handles import KVRole, PullReport
+from engine.kv_transfer.ranks import KVExporter, KVReceiver
 from engine.layers.attention import PagedAttention
 from engine.models import build_model
 from engine.models.base import inline_module_attributes
@@ -73,6 +75,8 @@ class ModelRunner:
         self.model.eval()
         self.cache_layout: CacheLayout | None = None
         self.kv_cache: torch.Tensor | None = None
+        self.kv_exporter: KVExporter | None = None
+        self.kv_receiver: KVReceiver | None = None
 
     def allocate_cache(self, layout: CacheLayout) -> None:
         """One allocation for all layers, in the backend's preferred layout; each attention layer gets views of it."""
@@ -92,6 +96,26 @@ class ModelRunner:
         )
         for layer, (keys, values) in zip(layers, views, strict=True):
             layer.key_cache, layer.value_cache = keys, values
+
+    def attach_kv_role(self, role: KVRole) -> None:
+        """A P/D instance's rank: export the KV storage (prefill) or get ready to pull into it (decode)."""
+        head_major = getattr(self.backend, "head_major_cache", False)
+        geometry = kv_cache.geometry(self.kv_cache, head_major)
+        on_gpu = self.device.type == "cuda"
+        if role.role == "prefill":
+            self.kv_exporter = KVExporter(self.par.rank, geometry, on_gpu)
+        else:
+            c = self.cache_layout
+            spec = dcp.DcpSpec(c.block_size, c.interleave, self.par.dcp_size)
+            self.kv_receiver = KVReceiver(self.par.rank, self.par.dcp_rank, self.par.layout, spec, geometry, on_gpu)
+
+    def receive(self, step: ScheduledStep) -> list[PullReport] | None:
+        """Carry out the step's pulls on this rank (before `execute`); rank 0 gets every rank's reports."""
+        if not step.pulls:
+            return None
+        reports = self.kv_receiver.pull(step.pulls)
+        gathered = gather_objects(reports, self.par.control_group)
+        return None if gathered is None else [r for rank_reports in gathered for r in rank_reports]
 
     @property
     def kv_cache_bytes(self) -> int:

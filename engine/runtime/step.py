@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.kv_transfer.handles import KVPull
+
 
 @dataclass
 class ScheduledChunk:
@@ -24,9 +26,13 @@ class ScheduledChunk:
 
 @dataclass
 class ScheduledStep:
-    """One engine step: what every rank runs. Prefill chunks (several tokens) come first, then decodes (one token)."""
+    """One engine step: what every rank runs. Prefill chunks (several tokens) come first, then decodes (one token).
+
+    A pulled sequence's chunk is its last prompt token, run after the pull has brought the positions before it.
+    """
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
+    pulls: list[KVPull] = field(default_factory=list)  # P/D decode: KV to READ from the prefill side before the run
 
     @property
     def num_tokens(self) -> int:

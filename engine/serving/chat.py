@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from engine.errors import UserError
-from engine.serving.generation import Choice, Generation, client_gone, event_stream, stream_chunk
+from engine.serving.generation import Choice, Generation, client_gone, event_stream, handoff_fields, stream_chunk
 from engine.serving.protocol import ChatCompletionRequest
 from engine.serving.responses import ResponseHead, chat_logprobs, new_id, now, usage
 from engine.serving.served_model import ServedModel
@@ -79,7 +79,11 @@ class ChatEndpoint:
             for c in choices
         ]
         head = ResponseHead(rid, "chat.completion", created, model.name)
-        return head.body(body, usage=usage(len(ids), sum(len(c.token_ids) for c in choices)))
+        return head.body(
+            body,
+            usage=usage(len(ids), sum(len(c.token_ids) for c in choices)),
+            **handoff_fields(choices, gen.export_handle),
+        )
 
     async def _chunks(
         self, req: ChatCompletionRequest, gen: Generation, head: ResponseHead, with_logprobs: bool

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from engine.errors import UserError
-from engine.serving.generation import Choice, Generation, client_gone, event_stream, stream_chunk
+from engine.serving.generation import Choice, Generation, client_gone, event_stream, handoff_fields, stream_chunk
 from engine.serving.protocol import MAX_CHOICES, CompletionRequest
 from engine.serving.responses import CompletionLogprobs, ResponseHead, merge_logprobs, new_id, now, usage
 from engine.serving.served_model import ServedModel
@@ -75,7 +75,11 @@ class CompletionsEndpoint:
         if not await gen.run_to_end():
             return client_gone()
         choices_out = [self._choice(req, c) for c in choices]
-        return head.body(choices_out, usage=usage(prompt_tokens, sum(len(c.token_ids) for c in choices)))
+        return head.body(
+            choices_out,
+            usage=usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
+            **handoff_fields(choices, gen.export_handle),
+        )
 
     def _logprobs_builder(self, req: CompletionRequest) -> CompletionLogprobs:
         return CompletionLogprobs(self.model.token_text, self.model.token_name(req))
@@ -99,13 +103,17 @@ class CompletionsEndpoint:
             parts = [self._prompt_logprob_block(builder, choice)] if req.echo else []
             parts.append(builder.block(choice.logprobs, choice.token_ids[: len(choice.logprobs)]))
             logprobs = merge_logprobs(parts)
-        return {
+        out = {
             "index": choice.index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         }
+        if req.return_token_ids:
+            out["prompt_token_ids"] = choice.prompt_ids
+            out["token_ids"] = choice.token_ids
+        return out
 
     async def _chunks(
         self, req: CompletionRequest, gen: Generation, head: ResponseHead, prompt_tokens: int

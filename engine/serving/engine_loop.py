@@ -16,11 +16,13 @@ import asyncio
 import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.core.sequence import SamplingParams, TokenLogprob
 from engine.errors import UserError
+from engine.kv_transfer.handles import RemotePrefill
 from engine.serving.responses import ServerError
 
 if TYPE_CHECKING:
@@ -41,6 +43,8 @@ class Update:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     error: ServerError | None = None
+    export: dict | None = None  # P/D prefill: the kept export (transfer id, block ids), with the finish
+    kv_transfer: dict | None = None  # P/D decode: what the pull did, once it is done
 
 
 class Sink:
@@ -76,6 +80,8 @@ class EngineRequest:
     prompt_number: int  # which prompt of the HTTP request (for error messages)
     prompt_ids: list[int]
     params: SamplingParams
+    export: bool = False  # P/D prefill: keep the prompt's KV for a decode instance
+    remote: RemotePrefill | None = None  # P/D decode: pull the prompt's KV from the prefill instance
 
 
 @dataclass
@@ -93,6 +99,7 @@ class _Handle:
     sent_tokens: int = 0
     sent_logprobs: int = 0
     sent_prompt: bool = False
+    sent_kv_transfer: bool = False
 
 
 class EngineLoop:
@@ -139,6 +146,17 @@ class EngineLoop:
             self.abort([item.request_id for item in items])
             raise
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run `fn(engine)` on the engine thread (the engine is not thread-safe); its result or its exception."""
+        sink = Sink()
+        done = sink.loop.create_future()
+        with self._cv:
+            if self._closed or self._stopping:
+                raise ServerError(503, self.unavailable_reason())
+            self._inbox.append(("call", (fn, sink, done)))
+            self._cv.notify()
+        return await done
+
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests (finished or unknown ids are ignored); their blocks are freed before the next step."""
         with self._cv:
@@ -167,18 +185,22 @@ class EngineLoop:
             while True:
                 with self._cv:
                     while not (self._inbox or self._stopping or self.engine.has_unfinished()):
-                        self._cv.wait()
+                        if not self._cv.wait(self.engine.housekeeping()):
+                            break  # a lease ran out while idle
                     commands, self._inbox = self._inbox, []
                     stopping = self._stopping
                 for kind, payload in commands:
                     if kind == "add":
                         self._add(payload)
+                    elif kind == "call":
+                        self._call(*payload)
                     else:
                         for request_id in payload:
                             self.engine.abort(request_id)
                             self._handles.pop(request_id, None)
                 if stopping:
                     break
+                self.engine.housekeeping()
                 if self.engine.has_unfinished():
                     self._publish(self.engine.step())
                 self._snapshot()
@@ -194,14 +216,27 @@ class EngineLoop:
             for kind, payload in leftovers:
                 if kind == "add":
                     payload.sink.resolve(payload.accepted, error)
+                elif kind == "call":
+                    payload[1].resolve(payload[2], error)
             self._fail_all(error)
             self._shutdown_engine()
+
+    def _call(self, fn: Callable[[LLMEngine], Any], sink: Sink, done: asyncio.Future) -> None:
+        try:
+            result = fn(self.engine)
+        except Exception as exc:
+            sink.resolve(done, exc)
+            return
+        with contextlib.suppress(RuntimeError):
+            sink.loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
 
     def _add(self, sub: _Submission) -> None:
         added: list[str] = []
         try:
             for item in sub.items:
-                self.engine.add_request(item.prompt_ids, item.params, request_id=item.request_id)
+                self.engine.add_request(
+                    item.prompt_ids, item.params, request_id=item.request_id, export=item.export, remote=item.remote
+                )
                 added.append(item.request_id)
                 self._handles[item.request_id] = _Handle(item.index, sub.sink)
         except Exception as exc:
@@ -234,10 +269,18 @@ class EngineLoop:
                     prompt_logprobs = list(seq.prompt_logprobs)
             finish = seq.finish_reason if seq.is_finished else None
             update = Update(handle.index, seq.output_text, new_ids, new_logprobs, prompt_logprobs, finish)
+            if seq.kv_transfer is not None and not handle.sent_kv_transfer:
+                handle.sent_kv_transfer = True
+                update.kv_transfer = seq.kv_transfer
             if finish == "error":
-                update.error = ServerError(500, f"the request failed: {seq.error}; the server goes on")
+                if seq.kv_transfer is not None and "error" in seq.kv_transfer:  # the prefill side failed
+                    update.error = ServerError(502, f"the request failed: {seq.error}")
+                else:
+                    update.error = ServerError(500, f"the request failed: {seq.error}; the server goes on")
             elif finish is not None:
                 update.stop_reason = seq.stop_reason
+                if seq.transfer_id is not None:
+                    update.export = {"transfer_id": seq.transfer_id, "block_ids": list(seq.block_table)}
             handle.sink.put(update)
             if finish is not None:
                 del self._handles[seq.request_id]

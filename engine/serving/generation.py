@@ -17,6 +17,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from engine.core.sequence import SamplingParams, TokenLogprob
 from engine.serving.engine_loop import EngineLoop, EngineRequest, Sink, Update
+from engine.serving.handoff import Claimed, PrefillLink
 from engine.serving.responses import ResponseHead, ServerError, error_body, new_id, stop_holdback
 
 _DISCONNECTED = object()
@@ -41,8 +42,16 @@ class Choice:
     stop_reason: str | int | None = None
     sent: int = 0  # characters of text already streamed
     started: bool = False
+    export_requested: bool = False  # P/D prefill: keep the prompt's KV for a decode instance
+    export: dict | None = None  # P/D prefill: the kept export, once finished
+    claimed: Claimed | None = None  # P/D decode: the prompt's claimed export
+    kv_transfer: dict | None = None  # P/D decode: what the pull did
 
     def apply(self, update: Update) -> None:
+        if update.export is not None:
+            self.export = update.export
+        if update.kv_transfer is not None:
+            self.kv_transfer = update.kv_transfer
         self.text = update.text
         self.token_ids.extend(update.token_ids)
         self.logprobs.extend(update.logprobs)
@@ -71,14 +80,24 @@ class Generation:
         choices: list[Choice],
         params: list[SamplingParams],
         prompt_numbers: list[int],
+        link: PrefillLink | None = None,
+        export_handle: Callable[[dict], dict] | None = None,
     ):
         self.engine_loop = engine_loop
         self.request = request
         self.choices = choices
         self.items = [
-            EngineRequest(new_id("req"), c.index, number, c.prompt_ids, p)
+            EngineRequest(
+                new_id("req"), c.index, number, c.prompt_ids, p, c.export_requested, c.claimed and c.claimed.remote
+            )
             for c, p, number in zip(choices, params, prompt_numbers, strict=True)
         ]
+        self.link = link
+        self.export_handle = export_handle  # P/D prefill: a kept export -> the handle the response carries
+        self._unpulled: dict[str, set[int]] = {}  # transfer id -> choices that have not pulled yet
+        for c in choices:
+            if c.claimed is not None:
+                self._unpulled.setdefault(c.claimed.remote.manifest.transfer_id, set()).add(c.index)
         self.sink: Sink | None = None
         self._watch: asyncio.Task | None = None
         self._closed = False
@@ -108,9 +127,22 @@ class Generation:
                 raise update.error
             choice = self.choices[update.index]
             choice.apply(update)
+            if choice.claimed is not None:
+                self._pulled(choice)
             if update.finish_reason is not None:
                 pending -= 1
             yield choice
+
+    def _pulled(self, choice: Choice) -> None:
+        """A choice's pull is over (it got a token or finished): release its export once every choice has pulled."""
+        transfer_id = choice.claimed.remote.manifest.transfer_id
+        waiting = self._unpulled.get(transfer_id)
+        if waiting is None:
+            return
+        waiting.discard(choice.index)
+        if not waiting:
+            del self._unpulled[transfer_id]
+            self.link.release_later(transfer_id)
 
     async def run_to_end(self) -> bool:
         """Wait until every choice has finished (False: the client went first); the generation is closed after."""
@@ -133,17 +165,42 @@ class Generation:
         unfinished = [item.request_id for item, c in zip(self.items, self.choices, strict=True) if not c.finish_reason]
         if unfinished:
             self.engine_loop.abort(unfinished)
+        for transfer_id in self._unpulled:  # a failed or abandoned request: the prefill side may free its export
+            self.link.release_later(transfer_id)
+        self._unpulled.clear()
 
 
 def stream_chunk(head: ResponseHead, gen: Generation, item: dict, finish: str | None, include_usage: bool) -> dict:
-    """One SSE body with a single choice; `usage` is null on all but the final usage chunk."""
+    """One SSE body with a single choice; `usage` is null on all but the final usage chunk. A choice's finishing
+    chunk carries its hand-off fields (P/D)."""
     item["finish_reason"] = finish
+    extra = {}
     if finish is not None:
-        item["stop_reason"] = gen.choices[item["index"]].stop_reason
-    body = head.body([item])
+        choice = gen.choices[item["index"]]
+        item["stop_reason"] = choice.stop_reason
+        extra = handoff_fields([choice], gen.export_handle)
+    body = head.body([item], **extra)
     if include_usage:
         body["usage"] = None
     return body
+
+
+def handoff_fields(choices: list[Choice], export_handle: Callable[[dict], dict] | None) -> dict:
+    """The response's P/D fields: a prefill instance's `kv_transfer_params` (one handle per prompt; a list when
+    there are several), a decode instance's `kv_transfer` (per choice: what its pull did, with the TTFT split)."""
+    exports = [c.export for c in choices if c.export is not None]
+    if exports and export_handle is not None:
+        handles = [export_handle(e) for e in exports]
+        return {"kv_transfer_params": handles[0] if len(choices) == 1 else handles}
+    pulled = [c for c in choices if c.claimed is not None and c.kv_transfer is not None]
+    if not pulled:
+        return {}
+    return {
+        "kv_transfer": [
+            {"index": c.index, "prefill_s": c.claimed.prefill_s, "claim_s": c.claimed.claim_s, **c.kv_transfer}
+            for c in pulled
+        ]
+    }
 
 
 def _sse(payload: dict | str) -> str:

@@ -13,18 +13,19 @@ import contextlib
 import logging
 import socket
 import sys
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
 from engine.errors import UserError
+from engine.serving.background import ServerHandle, serve_in_background, uvicorn_server
 from engine.serving.engine_loop import EngineLoop
 from engine.serving.openai_app import OpenAIServer
 
 if TYPE_CHECKING:
     from engine.core.engine import LLMEngine
+    from engine.kv_transfer.handles import KVRole
     from engine.plan.resolved import ResolvedPlan
 
 logger = logging.getLogger("dcpctl.server")
@@ -51,64 +52,35 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def _uvicorn_server(app: FastAPI, engine_loop: EngineLoop, banner: Callable[[], None] | None):
-    import uvicorn
+    async def before_shutdown() -> None:
+        logger.info("shutting down")
+        # fail the requests in flight first, so that uvicorn's wait for open connections is short
+        engine_loop.begin_shutdown()
 
-    class _Server(uvicorn.Server):
-        async def startup(self, sockets=None) -> None:
-            await super().startup(sockets)
-            if self.started and banner is not None:
-                banner()
+    async def after_shutdown() -> None:
+        # join the engine thread (it stops the other ranks) before uvicorn re-raises a captured SIGTERM
+        await asyncio.to_thread(engine_loop.stop)
 
-        async def shutdown(self, sockets=None) -> None:
-            logger.info("shutting down")
-            # fail the requests in flight first, so that uvicorn's wait for open connections is short
-            engine_loop.begin_shutdown()
-            await super().shutdown(sockets)
-            # join the engine thread (it stops the other ranks) before uvicorn re-raises a captured SIGTERM
-            await asyncio.to_thread(engine_loop.stop)
-
-    config = uvicorn.Config(
+    return uvicorn_server(
         app,
-        log_level="warning",
-        access_log=False,
+        banner,
+        before_shutdown,
+        after_shutdown,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-        lifespan="off",
         timeout_keep_alive=30,
     )
-    return _Server(config)
-
-
-class ServerHandle:
-    """A running server (in a background thread); for tests and tools that embed the server."""
-
-    def __init__(self, server, thread: threading.Thread, engine_loop: EngineLoop, port: int):
-        self._server = server
-        self._thread = thread
-        self.engine_loop = engine_loop
-        self.port = port
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stop uvicorn and the engine thread (the engine is shut down, so other ranks exit)."""
-        self._server.should_exit = True
-        self._thread.join(timeout)
-        self.engine_loop.stop(timeout)
 
 
 def start_server(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", port: int = 0) -> ServerHandle:
-    """Serve `engine` from a background thread; returns once the server accepts connections."""
+    """Serve `engine` from a background thread; returns once the server accepts connections. Stopping the handle
+    stops the engine thread too (the engine is shut down, so other ranks exit)."""
     engine_loop = EngineLoop(engine)
     app = OpenAIServer(engine_loop, model_name).app
     sock = bind_socket(host, port)
-    ready = threading.Event()
-    server = _uvicorn_server(app, engine_loop, ready.set)
     engine_loop.start()
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="dcpctl-uvicorn", daemon=True)
-    thread.start()
-    if not ready.wait(60):
-        server.should_exit = True
-        engine_loop.stop()
-        raise RuntimeError("the server did not start within 60 s")
-    return ServerHandle(server, thread, engine_loop, sock.getsockname()[1])
+    return serve_in_background(
+        lambda banner: _uvicorn_server(app, engine_loop, banner), sock, "dcpctl-uvicorn", engine_loop.stop
+    )
 
 
 def serve_engine(engine: LLMEngine, host: str, port: int, model_name: str) -> None:
@@ -130,11 +102,12 @@ def serve_engine(engine: LLMEngine, host: str, port: int, model_name: str) -> No
         engine_loop.stop()
 
 
-def serve_plan(resolved: ResolvedPlan) -> None:
-    """Every rank of `dcpctl run PLAN`: rank 0 serves the API; the other ranks follow its steps until it stops."""
+def serve_plan(resolved: ResolvedPlan, kv_role: KVRole | None = None) -> None:
+    """Every rank of `dcpctl run PLAN`: rank 0 serves the API; the other ranks follow its steps until it stops.
+    `kv_role`: the instance's part in a P/D deployment."""
     from engine.core.startup import start_engine
 
-    engine = start_engine(resolved, shield_followers=True)
+    engine = start_engine(resolved, shield_followers=True, kv_role=kv_role)
     if engine is None:
         return
     serve = resolved.plan.serve

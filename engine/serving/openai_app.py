@@ -9,6 +9,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from engine.core.exports import ExportError
 from engine.errors import UserError
 from engine.serving.chat import ChatEndpoint
 from engine.serving.completions import CompletionsEndpoint
@@ -20,7 +21,8 @@ from engine.serving.http import (
     document_400_not_422,
     install_error_handlers,
 )
-from engine.serving.protocol import MAX_BODY_BYTES, DetokenizeRequest, TokenizeRequest
+from engine.serving.protocol import MAX_BODY_BYTES, DetokenizeRequest, TokenizeRequest, TransferRequest
+from engine.serving.responses import ServerError
 from engine.serving.served_model import ServedModel
 
 _STREAMED = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or server-sent events"}}
@@ -49,8 +51,36 @@ class OpenAIServer:
         app.post("/v1/completions", responses={**ERROR_RESPONSES, **_STREAMED})(completions)
         chat_completions = ChatEndpoint(self.model).chat_completions
         app.post("/v1/chat/completions", responses={**ERROR_RESPONSES, **_STREAMED})(chat_completions)
+        app.get("/v1/kv_transfer/info", responses=ERROR_RESPONSES)(self.kv_transfer_info)
+        app.post("/v1/kv_transfer/claim", responses=ERROR_RESPONSES)(self.kv_transfer_claim)
+        app.post("/v1/kv_transfer/release", responses=ERROR_RESPONSES)(self.kv_transfer_release)
         document_400_not_422(app)
         return app
+
+    def _prefill_handoff(self):
+        handoff = self.model.engine.handoff
+        if handoff.exports is None:
+            raise ServerError(404, "this instance is not the prefill instance of a P/D deployment")
+        return handoff
+
+    async def kv_transfer_info(self):
+        """P/D prefill: the instance's engine id, model fingerprint, layout and every rank's NIXL endpoint."""
+        return self._prefill_handoff().info.to_json()
+
+    async def kv_transfer_claim(self, req: TransferRequest):
+        """P/D prefill: renew an export's lease and describe it (404 unknown, 410 released or expired)."""
+        self._prefill_handoff()
+        try:
+            manifest = await self.engine_loop.call(lambda engine: engine.handoff.exports.claim(req.transfer_id))
+        except ExportError as exc:
+            raise ServerError(exc.status, str(exc), param="transfer_id") from None
+        return manifest.to_json()
+
+    async def kv_transfer_release(self, req: TransferRequest):
+        """P/D prefill: free an export's blocks (a decode instance has read them)."""
+        self._prefill_handoff()
+        released = await self.engine_loop.call(lambda engine: engine.handoff.exports.release(req.transfer_id))
+        return {"released": released}
 
     async def health(self):
         """200 while the engine runs; 503 after a fatal engine error or during shutdown."""
@@ -76,11 +106,13 @@ class OpenAIServer:
 
     async def engine_stats(self):
         """KV blocks (used, free, peak), batch sizes and token counters, as of the engine's last iteration."""
+        link = self.model.prefill_link
         return {
             "model": self.model.name,
             "healthy": self.engine_loop.healthy,
             "max_model_len": self.model.max_model_len,
             **self.engine_loop.stats,
+            **({"prefill_link": link.stats()} if link is not None else {}),
         }
 
     async def tokenizer_info(self):

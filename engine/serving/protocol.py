@@ -58,6 +58,11 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" (distinct ids never collide)
+    kv_transfer_params: dict[str, Any] | list[dict[str, Any]] | None = Field(
+        None,
+        description="P/D hand-off: {do_remote_decode: true} asks a prefill instance to keep the prompt's KV; the "
+        "handle it answers with (one per prompt) lets its decode instance continue the request",
+    )
     # known options the engine does not implement: accepted only at their neutral values
     best_of: int | None = _unsupported(1, "or equal to n")
     presence_penalty: float | None = _unsupported(0)
@@ -121,6 +126,7 @@ class CompletionRequest(_Request):
     max_tokens: int | None = Field(16, ge=0, description="at most the context length minus the prompt's tokens")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    return_token_ids: bool = False  # vLLM extension: the response carries prompt_token_ids and each choice's token_ids
     suffix: str | None = Field(
         None, description="not supported: only empty (or unset)", json_schema_extra={"enum": ["", None]}
     )
@@ -183,6 +189,14 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+class TransferRequest(BaseModel):
+    """POST /v1/kv_transfer/claim and /release (a decode instance to its prefill instance)."""
+
+    model_config = _REQUEST_CONFIG
+
+    transfer_id: str = Field(max_length=64)
 
 
 class ErrorDetail(BaseModel):

@@ -9,6 +9,7 @@ from typing import Any
 
 from engine.serving.engine_loop import EngineLoop
 from engine.serving.generation import Choice, Generation
+from engine.serving.handoff import Claimed, PrefillLink, handle_for, own_fingerprint, wants_export
 from engine.serving.protocol import context_overflow
 from engine.serving.responses import ServerError, now
 
@@ -28,6 +29,10 @@ class ServedModel:
         self.max_model_len = self.engine.max_model_len
         self.created = now()
         self.token_text = functools.lru_cache(maxsize=1 << 17)(self._decode_one)
+        handoff = self.engine.handoff
+        self.prefill_link = (
+            PrefillLink(handoff.role.prefill_url, own_fingerprint(self.engine)) if (handoff.is_decode) else None
+        )
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -77,6 +82,58 @@ class ServedModel:
             if req.n > 1 and p.seed is not None:
                 p.seed += choice.index % req.n  # n samples of one seeded request differ, reproducibly
             params.append(p)
-        gen = Generation(self.engine_loop, request, choices, params, prompt_numbers)
-        await gen.start()
+        kv_params = getattr(req, "kv_transfer_params", None)
+        if kv_params is not None:
+            await self._hand_off(kv_params, req, choices, prompt_numbers, prompt_logprobs)
+        gen = Generation(
+            self.engine_loop, request, choices, params, prompt_numbers, self.prefill_link, self.export_handle
+        )
+        try:
+            await gen.start()
+        except BaseException:
+            gen.close()
+            raise
         return gen
+
+    def export_handle(self, export: dict) -> dict:
+        """A prefill instance's handle for one kept export."""
+        handoff = self.engine.handoff
+        return handle_for(export, handoff.info.engine_id, handoff.role.lease_s, handoff.info.tp)
+
+    async def _hand_off(
+        self, kv_params: Any, req: Any, choices: list[Choice], prompt_numbers: list[int], prompt_logprobs: int | None
+    ) -> None:
+        """Mark the choices as exports (a prefill instance) or claim their prompts' exports (a decode instance)."""
+        if wants_export(kv_params):
+            if req.n != 1:
+                raise ServerError(400, "a prefill request for a decode instance takes n=1", param="n")
+            for choice in choices:
+                choice.export_requested = True
+            return
+        if self.prefill_link is None:
+            raise ServerError(
+                400,
+                "kv_transfer_params: this instance is not the decode instance of a P/D deployment; "
+                "send the request without them",
+                param="kv_transfer_params",
+            )
+        if prompt_logprobs is not None:
+            raise ServerError(400, "echo with logprobs needs the prompt computed here; send it without a hand-off")
+        prompts = max(prompt_numbers) + 1
+        handles = kv_params if isinstance(kv_params, list) else [kv_params]
+        if len(handles) != prompts:
+            raise ServerError(
+                400,
+                f"kv_transfer_params has {len(handles)} handles for {prompts} prompts; send one per prompt",
+                param="kv_transfer_params",
+            )
+        claimed: dict[int, Claimed] = {}
+        try:
+            for choice, number in zip(choices, prompt_numbers, strict=True):
+                if number not in claimed:
+                    claimed[number] = await self.prefill_link.claim(handles[number], choice.prompt_ids)
+                choice.claimed = claimed[number]
+        except BaseException:
+            for c in claimed.values():
+                self.prefill_link.release_later(c.remote.manifest.transfer_id)
+            raise

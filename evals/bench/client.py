@@ -34,6 +34,7 @@ class RequestRecord:
     end_time: float | None = None
     output_tokens: int = 0
     error: str | None = None
+    kv_transfer: dict[str, Any] | None = None  # a P/D deployment: what the request's hand-off did
 
     @property
     def ok(self) -> bool:
@@ -53,6 +54,7 @@ class RequestRecord:
             "end_time": self.end_time,
             "output_tokens": self.output_tokens,
             "error": self.error,
+            "kv_transfer": self.kv_transfer,
         }
 
 
@@ -123,6 +125,8 @@ async def _one(
                     rec.token_times.append(t)
                     if rec.first_token_time is None:
                         rec.first_token_time = t
+                if chunk.get("kv_transfer"):  # a P/D deployment's decode side: the hand-off's split
+                    rec.kv_transfer = chunk["kv_transfer"][0]
                 usage = chunk.get("usage")
                 if usage and usage.get("completion_tokens") is not None:
                     rec.output_tokens = int(usage["completion_tokens"])

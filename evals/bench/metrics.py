@@ -5,6 +5,9 @@
   have none. This is the decode time per token the request saw, prefill excluded.
 - ITL: gaps between consecutive chunk arrivals, pooled over requests.
 - Throughput: output tokens (and requests) of the successful requests over the run's wall time.
+- Hand-off (P/D deployments, from each request's `kv_transfer`): descriptors, bytes and READ time per decode rank,
+  the single-region READ of the same bytes when measured, and TTFT split into prefill, claim + queue, transfer
+  and first decode.
 Percentiles interpolate linearly between order statistics (numpy's default).
 """
 
@@ -20,19 +23,63 @@ from evals.bench.client import RequestRecord
 
 @dataclass(frozen=True)
 class Stat:
-    """Mean, median and 99th percentile of a sample (seconds); all None for an empty sample."""
+    """Mean, median, 99th percentile and minimum of a sample (seconds); all None for an empty sample."""
 
     mean: float | None
     p50: float | None
     p99: float | None
     n: int
+    min: float | None = None
 
     @classmethod
     def of(cls, values: list[float]) -> Stat:
         if not values:
             return cls(None, None, None, 0)
         arr = np.asarray(values, dtype=np.float64)
-        return cls(float(arr.mean()), float(np.percentile(arr, 50)), float(np.percentile(arr, 99)), int(arr.size))
+        return cls(
+            float(arr.mean()),
+            float(np.percentile(arr, 50)),
+            float(np.percentile(arr, 99)),
+            int(arr.size),
+            float(arr.min()),
+        )
+
+
+@dataclass(frozen=True)
+class HandoffMetrics:
+    """What the requests' prefill -> decode hand-offs did (per decode rank: pooled over requests and ranks)."""
+
+    requests: int
+    descriptors_per_rank: float  # mean
+    bytes_per_rank: float  # mean
+    transfer: Stat  # one rank's READ time
+    raw: Stat  # one rank's single-region READ of the same bytes (when the plan measures it)
+    ratio: Stat  # transfer / raw, per request and rank
+    prefill: Stat
+    claim_queue: Stat
+    transfer_ttft: Stat  # the slowest rank's READ: the part of TTFT the transfer takes
+    first_decode: Stat
+
+
+def handoff_of(records: list[RequestRecord]) -> HandoffMetrics | None:
+    """The hand-off metrics of the successful requests that report one (None when none does)."""
+    splits = [r.kv_transfer for r in records if r.ok and r.kv_transfer and "error" not in r.kv_transfer]
+    if not splits:
+        return None
+    ranks = [rank for s in splits for rank in s.get("per_rank", [])]
+    raw = [rank for rank in ranks if rank.get("raw_transfer_s")]
+    return HandoffMetrics(
+        requests=len(splits),
+        descriptors_per_rank=float(np.mean([r["descriptors"] for r in ranks])) if ranks else 0.0,
+        bytes_per_rank=float(np.mean([r["bytes"] for r in ranks])) if ranks else 0.0,
+        transfer=Stat.of([r["transfer_s"] for r in ranks]),
+        raw=Stat.of([r["raw_transfer_s"] for r in raw]),
+        ratio=Stat.of([r["transfer_s"] / r["raw_transfer_s"] for r in raw]),
+        prefill=Stat.of([s["prefill_s"] for s in splits if s.get("prefill_s") is not None]),
+        claim_queue=Stat.of([s["claim_s"] + s["queue_s"] for s in splits]),
+        transfer_ttft=Stat.of([s["transfer_s"] for s in splits]),
+        first_decode=Stat.of([s["first_decode_s"] for s in splits if s.get("first_decode_s") is not None]),
+    )
 
 
 @dataclass(frozen=True)
@@ -52,6 +99,7 @@ class BenchMetrics:
     itl: Stat
     e2e: Stat
     short_requests: int  # successful requests with fewer output tokens than asked for (EOS honoured, ...)
+    handoff: HandoffMetrics | None = None  # P/D deployments only
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,4 +136,5 @@ def compute_metrics(records: list[RequestRecord], duration_s: float, output_len:
         itl=Stat.of(itls),
         e2e=Stat.of(e2es),
         short_requests=sum(1 for r in ok if output_len is not None and r.output_tokens < output_len),
+        handoff=handoff_of(records),
     )

@@ -15,7 +15,7 @@ from rich.table import Table
 from engine.io_utils import atomic_write_bytes, atomic_write_text
 from engine.plan.kv_sizing import format_bytes
 from evals.bench.client import RequestRecord
-from evals.bench.metrics import BenchMetrics, Stat
+from evals.bench.metrics import BenchMetrics, HandoffMetrics, Stat
 from evals.bench.roofline import Roofline
 
 NONE = "-"
@@ -131,6 +131,44 @@ ROWS: list[tuple[str, Getter, Callable[[float], str], bool]] = [
 ]
 
 
+def _handoff(fn: Callable[[HandoffMetrics], float | None]) -> Getter:
+    return lambda t: None if t.metrics is None or t.metrics.handoff is None else fn(t.metrics.handoff)
+
+
+def _ms_or_none(value: float | None) -> float | None:
+    return None if value is None else value * 1e3
+
+
+# P/D deployments: rows shown when a target reports hand-offs
+HANDOFF_ROWS: list[tuple[str, Getter, Callable[[float], str], bool]] = [
+    ("hand-off: descriptors per decode rank", _handoff(lambda h: h.descriptors_per_rank), lambda v: f"{v:,.0f}", True),
+    ("hand-off: MiB per decode rank", _handoff(lambda h: h.bytes_per_rank / 2**20), lambda v: f"{v:.2f}", False),
+    ("hand-off: READ ms per rank, p50", _handoff(lambda h: _ms_or_none(h.transfer.p50)), lambda v: f"{v:.2f}", True),
+    ("hand-off: READ ms per rank, min", _handoff(lambda h: _ms_or_none(h.transfer.min)), lambda v: f"{v:.2f}", True),
+    ("hand-off: raw 1-region READ ms, min", _handoff(lambda h: _ms_or_none(h.raw.min)), lambda v: f"{v:.2f}", False),
+    ("hand-off: READ / raw, p50", _handoff(lambda h: h.ratio.p50), lambda v: f"{v:.2f}", False),
+    ("TTFT split: prefill ms, mean", _handoff(lambda h: _ms_or_none(h.prefill.mean)), lambda v: f"{v:.0f}", True),
+    (
+        "TTFT split: claim+queue ms, mean",
+        _handoff(lambda h: _ms_or_none(h.claim_queue.mean)),
+        lambda v: f"{v:.1f}",
+        True,
+    ),
+    (
+        "TTFT split: transfer ms, mean",
+        _handoff(lambda h: _ms_or_none(h.transfer_ttft.mean)),
+        lambda v: f"{v:.1f}",
+        True,
+    ),
+    (
+        "TTFT split: first decode ms, mean",
+        _handoff(lambda h: _ms_or_none(h.first_decode.mean)),
+        lambda v: f"{v:.0f}",
+        True,
+    ),
+]
+
+
 def _ratio(value: float | None, base: float | None) -> str:
     if value is None or base is None or base == 0:
         return ""
@@ -157,7 +195,8 @@ def bench_grid(report: BenchReport) -> tuple[list[str], list[list[str]]]:
     header = ["metric"] + [t.label for t in cols]
     rows = [["requests"] + [_requests_cell(t) for t in cols]]
     base = cols[0] if cols else None
-    for name, get, fmt, with_ratio in ROWS:
+    handoffs = any(t.metrics is not None and t.metrics.handoff is not None for t in cols)
+    for name, get, fmt, with_ratio in ROWS + (HANDOFF_ROWS if handoffs else []):
         base_value = get(base) if base is not None and not base.failed else None
         cells = []
         for i, t in enumerate(cols):

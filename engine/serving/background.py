@@ -1,0 +1,76 @@
+"""Uvicorn servers as the engine's servers and the router use them (`uvicorn_server`), and one run from a background
+thread (tests, tools and offline runs that embed a server or the router): started on a bound socket, returned once
+it accepts connections, stopped on request."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+START_TIMEOUT_S = 60.0
+
+
+def uvicorn_server(
+    app: Any,
+    banner: Callable[[], None] | None = None,
+    before_shutdown: Callable[[], Awaitable[None]] | None = None,
+    after_shutdown: Callable[[], Awaitable[None]] | None = None,
+    **config: Any,
+) -> Any:
+    """A quiet uvicorn server for `app` (no lifespan, no access log) that calls `banner()` once it listens and awaits
+    `before_shutdown()` / `after_shutdown()` around its own shutdown; `config`: further uvicorn.Config options."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started and banner is not None:
+                banner()
+
+        async def shutdown(self, sockets=None) -> None:
+            if before_shutdown is not None:
+                await before_shutdown()
+            await super().shutdown(sockets)
+            if after_shutdown is not None:
+                await after_shutdown()
+
+    return _Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", **config))
+
+
+class ServerHandle:
+    """A server running in a background thread, and whatever must stop after it (`on_stop`)."""
+
+    def __init__(self, server: Any, thread: threading.Thread, port: int, on_stop: Callable[[float], None] | None):
+        self._server = server
+        self._thread = thread
+        self._on_stop = on_stop
+        self.port = port
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ask the server to exit, wait for its thread, then run `on_stop`."""
+        self._server.should_exit = True
+        self._thread.join(timeout)
+        if self._on_stop is not None:
+            self._on_stop(timeout)
+
+
+def serve_in_background(
+    make_server: Callable[[Callable[[], None]], Any],
+    sock: socket.socket,
+    name: str,
+    on_stop: Callable[[float], None] | None = None,
+) -> ServerHandle:
+    """`make_server(banner)` builds a uvicorn server that calls `banner()` once it listens; run it on `sock` from a
+    daemon thread and return once it accepts connections (RuntimeError, after `on_stop`, if it does not in time)."""
+    ready = threading.Event()
+    server = make_server(ready.set)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=name, daemon=True)
+    thread.start()
+    if not ready.wait(START_TIMEOUT_S):
+        server.should_exit = True
+        if on_stop is not None:
+            on_stop(START_TIMEOUT_S)
+        raise RuntimeError(f"{name} did not start within {START_TIMEOUT_S:.0f} s")
+    return ServerHandle(server, thread, sock.getsockname()[1], on_stop)

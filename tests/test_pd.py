@@ -1,0 +1,208 @@
+"""Prefill -> decode hand-off across DCP layouts, for real: `python -m engine.serve_entry PD_PLAN` starts the
+prefill instance, the decode instance (each under torchrun when it has several ranks) and the router; greedy tokens
+and logprobs through the router equal HF's, with prompts of every awkward length in flight together, a decode side
+that hits its prefix cache or preempts; afterwards neither side holds a block or an export."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import yaml
+
+from engine.serving.deployment import Deployment
+from engine.serving.hosting import bind_socket
+from engine.serving.plan_server import PlanServer
+from engine.serving.router import start_router
+from tests.oracle import LOGPROB_TOL, hf_greedy, prompt_ids, write_plan
+
+pytestmark = pytest.mark.multiproc
+
+LENGTHS = [1, 2, 3, 31, 33, 47, 100, 130]  # not multiples of B or I, shorter than a virtual block, several blocks
+NEW_TOKENS = 6
+
+
+def pd_plan(tmp_path, folder, prefill: dict, decode: dict, disagg: dict | None = None):
+    """A prefill plan and a P/D decode plan naming it (tiny test settings)."""
+    write_plan(tmp_path, folder, prefill, name="prefill.yaml")
+    path = write_plan(tmp_path, folder, decode, name="pd.yaml")
+    data = yaml.safe_load(path.read_text())
+    data["disagg"] = {"prefill": "prefill.yaml", "transfer_timeout_s": 20, **(disagg or {})}
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+async def _complete_all(url: str, prompts: list[list[int]], new_tokens: int) -> list[dict]:
+    async with httpx.AsyncClient(base_url=url, timeout=300, trust_env=False) as client:
+
+        async def one(ids):
+            body = {
+                "prompt": ids,
+                "max_tokens": new_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "logprobs": 1,
+                "return_token_ids": True,
+            }
+            response = await client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        return list(await asyncio.gather(*(one(ids) for ids in prompts)))
+
+
+def complete_all(url: str, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[dict]:
+    """Every prompt through the router at once."""
+    return asyncio.run(_complete_all(url, prompts, new_tokens))
+
+
+def assert_hf(folder, prompts, bodies, new_tokens=NEW_TOKENS):
+    for ids, body in zip(prompts, bodies, strict=True):
+        choice = body["choices"][0]
+        tokens, logprobs = hf_greedy(folder, ids, new_tokens)
+        assert choice["token_ids"] == tokens, f"prompt of {len(ids)} tokens diverged"
+        ours = choice["logprobs"]["token_logprobs"]
+        assert max(abs(a - b) for a, b in zip(ours, logprobs, strict=True)) < LOGPROB_TOL
+
+
+def settled(url: str, timeout_s: float = 20.0) -> dict:
+    """The router's stats once neither instance holds a block or an export (releases run in the background)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = httpx.get(f"{url}/v1/engine/stats", timeout=10, trust_env=False).json()
+        if stats["used_blocks"] == 0 and stats["prefill"]["exports_live"] == 0 and stats["prefill"]["used_blocks"] == 0:
+            return stats
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.2)
+
+
+def check_deployment(tmp_path, folder, plan, seed=0) -> dict:
+    """The matrix for one P/D plan: every length at once vs HF, then the same prompt again (a prefix hit on the
+    decode side pulls less), then nothing held."""
+    prompts = prompt_ids(len(LENGTHS), LENGTHS, seed=seed)
+    with PlanServer(plan, log_path=tmp_path / "pd.log", health_timeout_s=300) as server:
+        bodies = complete_all(server.base_url, prompts)
+        assert_hf(folder, prompts, bodies)
+        for ids, body in zip(prompts, bodies, strict=True):
+            (kv,) = body["kv_transfer"]
+            assert kv["tokens"] == len(ids) - 1
+        again = complete_all(server.base_url, [prompts[-1]])
+        assert again[0]["choices"][0]["token_ids"] == bodies[-1]["choices"][0]["token_ids"]
+        assert again[0]["kv_transfer"][0]["tokens"] < len(prompts[-1]) - 1  # the decode side's prefix cache
+        return settled(server.base_url)
+
+
+@pytest.mark.parametrize("interleave", [1, 16])
+def test_mla_tp1_dcp1_to_tp2_dcp2(tmp_path, tiny_models, interleave):
+    folder = tiny_models("deepseek_v2")
+    plan = pd_plan(
+        tmp_path,
+        folder,
+        {"cache.block_size": 16},
+        {"parallel.tp": 2, "parallel.dcp": 2, "parallel.interleave": interleave, "cache.block_size": 16},
+    )
+    stats = check_deployment(tmp_path, folder, plan)
+    assert stats["kv_transfer"]["pulls_failed"] == 0 and len(stats["kv_transfer"]["ranks"]) == 2
+
+
+def test_gqa_tp2_dcp1_to_tp2_dcp2_replicas(tmp_path, tiny_models):
+    folder = tiny_models("llama")  # 4 heads, 2 KV heads: tp2 holds one KV head per rank; dcp2 adds replica ranks
+    plan = pd_plan(
+        tmp_path,
+        folder,
+        {"parallel.tp": 2, "cache.block_size": 8},
+        {"parallel.tp": 2, "parallel.dcp": 2, "parallel.interleave": 8, "cache.block_size": 8},
+    )
+    stats = check_deployment(tmp_path, folder, plan, seed=1)
+    assert len(stats["kv_transfer"]["ranks"]) == 4
+
+
+def test_dcp2_to_dcp2_with_other_interleave_and_block_and_a_preempting_decode_side(tmp_path, tiny_models):
+    folder = tiny_models("llama")
+    # decode cache: 2 layers x 2 x 2 KV heads x 16 x 4 B = 512 B/token per rank; 48 KiB = 96 tokens per rank,
+    # 192 per sequence over dcp 2: the 8 prompts cannot all stay, so some are preempted and recomputed there
+    plan = pd_plan(
+        tmp_path,
+        folder,
+        {"parallel.dcp": 2, "parallel.interleave": 4, "cache.block_size": 8},
+        {
+            "parallel.dcp": 2,
+            "parallel.interleave": 16,
+            "cache.block_size": 16,
+            "cache.memory": "48KiB",
+            "model.max_model_len": 180,
+        },
+    )
+    prompts = prompt_ids(len(LENGTHS), LENGTHS, seed=2)
+    with PlanServer(plan, log_path=tmp_path / "pd.log", health_timeout_s=300) as server:
+        bodies = complete_all(server.base_url, prompts, new_tokens=40)
+        assert_hf(folder, prompts, bodies, new_tokens=40)
+        stats = settled(server.base_url)
+    assert stats["preemptions"] > 0 and stats["kv_transfer"]["pulls"] == len(LENGTHS)
+
+
+def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.2)
+    return value
+
+
+def test_faults_expired_stale_and_a_dead_prefill_instance(tmp_path, tiny_models):
+    """Real processes: an export nobody claims is freed when its lease ends and its handle is then stale (400); the
+    prefill instance killed: a handle it gave out fails at the decode side naming it (502, no hang), the router
+    reports it unhealthy and answers at once, and the decode side holds no block."""
+    folder = tiny_models("llama")
+    plan = pd_plan(
+        tmp_path,
+        folder,
+        {"cache.block_size": 8},
+        {"parallel.dcp": 2, "parallel.interleave": 8, "cache.block_size": 8},
+        {"lease_s": 3, "transfer_timeout_s": 1},
+    )
+    ids = prompt_ids(1, [40], seed=5)[0]
+    export = {"prompt": ids, "max_tokens": 1, "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}}
+    with Deployment(str(plan), "pd", [], 0, 0) as deployment:
+        router = start_router(deployment.router(), bind_socket("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{router.port}"
+        p_url, d_url = deployment.prefill.base_url, deployment.decode.base_url
+        try:
+            with httpx.Client(timeout=60, trust_env=False) as client:
+
+                def stats(base):
+                    return client.get(f"{base}/v1/engine/stats").json()
+
+                handle = client.post(f"{p_url}/v1/completions", json=export).json()["kv_transfer_params"]
+                assert stats(p_url)["exports_live"] == 1
+                wait_for(lambda: stats(p_url)["exports_live"] == 0 and stats(p_url)["used_blocks"] == 0, what="expiry")
+                body = {"prompt": ids, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+                body["kv_transfer_params"] = handle
+                stale = client.post(f"{d_url}/v1/completions", json=body)
+                assert stale.status_code == 400 and "expired" in stale.text, stale.text
+
+                ok = client.post(f"{url}/v1/completions", json={**body, "kv_transfer_params": None})
+                assert ok.status_code == 200, ok.text
+                assert ok.json()["choices"][0]["token_ids"] == hf_greedy(folder, ids, 3)[0]
+
+                handle = client.post(f"{p_url}/v1/completions", json=export).json()["kv_transfer_params"]
+                os.killpg(deployment.prefill.pid, signal.SIGKILL)
+                start = time.monotonic()
+                dead = client.post(f"{d_url}/v1/completions", json={**body, "kv_transfer_params": handle})
+                assert dead.status_code == 502 and f"the prefill instance {p_url}" in dead.text, dead.text
+                assert time.monotonic() - start < 15
+                assert stats(d_url)["used_blocks"] == 0
+                failed = client.post(f"{url}/v1/completions", json=body)
+                assert failed.status_code in (502, 503) and "prefill instance" in failed.text, failed.text
+                health = wait_for(
+                    lambda: (r := client.get(f"{url}/health")).status_code == 503 and r, what="router 503"
+                )
+                assert f"the prefill instance {p_url} is unhealthy" in health.text
+                assert client.post(f"{url}/v1/completions", json=body).status_code == 503  # at once, named
+                assert stats(d_url)["used_blocks"] == 0
+        finally:
+            router.stop()
