@@ -107,7 +107,7 @@ def test_gemm_choices_per_level_and_dtype():
     assert gemm_choices(avx512, "bfloat16", True) == ("onednn", "panels", "torch")
     assert gemm_choices(avx2, "bfloat16", True) == ("panels", "onednn", "torch")
     assert gemm_choices(avx2, "bfloat16", False) == ("onednn", "torch")
-    assert gemm_choices(avx2, "float32", True)[0] == "onednn"
+    assert gemm_choices(avx512, "float32", True) == gemm_choices(avx2, "float32", True) == ("panels", "onednn", "torch")
     assert gemm_choices(avx2, "float16", True) == ("torch",)
     line = CpuPaths(avx2, "bfloat16", True, "cpu").describe()
     assert line == (
@@ -162,13 +162,13 @@ def test_panel_gemm_keeps_nan_and_takes_strided_weights():
 @NEEDS_KERNELS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layers_take_the_gemm_the_isa_level_allows(dtype):
-    """bf16 takes oneDNN only where oneDNN packs it (AVX-512 / AVX-NE-CONVERT), else the panel GEMM; fp32 oneDNN."""
+    """bf16 takes oneDNN where oneDNN packs it (AVX-512 / AVX-NE-CONVERT), else the panel GEMM; fp32 the panels."""
     g = torch.Generator().manual_seed(1)
     weight, x = torch.randn(96, 64, generator=g).to(dtype), torch.randn(17, 64, generator=g).to(dtype)
     if not cpu_gemm.packing_available():
         pytest.skip("this torch build has no oneDNN packed linear")
     layer = _layer(weight)
-    assert layer.gemm == ("onednn" if dtype == torch.float32 or cpu_isa.detect().onednn_bf16 else "panels")
+    assert layer.gemm == ("onednn" if dtype == torch.bfloat16 and cpu_isa.detect().onednn_bf16 else "panels")
     torch.testing.assert_close(layer.project(x).float(), (x.float() @ weight.float().T), atol=0.1, rtol=2e-2)
 
 
@@ -176,7 +176,7 @@ def test_layers_take_the_gemm_the_isa_level_allows(dtype):
 def test_an_avx2_view_takes_the_panel_gemm_for_bf16(isa_view):
     isa_view("avx2")
     assert _layer(torch.randn(64, 32).to(torch.bfloat16)).gemm == "panels"
-    assert _layer(torch.randn(64, 32)).gemm in ("onednn", "torch")
+    assert _layer(torch.randn(64, 32)).gemm == "panels"
 
 
 @NEEDS_KERNELS

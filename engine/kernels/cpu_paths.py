@@ -4,11 +4,11 @@ The one place these choices are made: `cpu_gemm` packs the linear layers by it, 
 `plan show` and the engine's start-up line print it. No torch import (plan checks use it).
 
 Linear layers, per dtype: 1-2 rows (batch-1/2 decode) take the engine's GEMV on the plain weight; more rows
-take a pre-packed GEMM, oneDNN's or the engine's panel GEMM (csrc/cpu_gemm.cpp). oneDNN packs bfloat16 only
-on CPUs with AVX-512 (or AVX-NE-CONVERT); elsewhere bf16 takes the panel GEMM, which keeps the weights in
-bf16 and widens them in registers. Measured (benchmarks/RESULTS.md): the panel GEMM is 1.3x oneDNN's fp32
-at 16 rows and within 10% at prefill sizes, on the AVX-512 and the AVX2 build alike; oneDNN's bf16 with
-AVX512-BF16 dot products is 1.4-2.4x the panel GEMM.
+take a pre-packed GEMM: the engine's panel GEMM (csrc/cpu_gemm.cpp), except bfloat16 on CPUs where oneDNN
+packs bf16 (AVX-512, AVX-NE-CONVERT), which take oneDNN's (with AVX512-BF16 dot products it does twice the
+panel GEMM's fp32 FMAs per cycle). Measured (benchmarks/RESULTS.md): the panel GEMM runs decode-sized
+batches faster than oneDNN's fp32 and prefill sizes about as fast, on the AVX-512 and AVX2 builds alike,
+and keeps bf16 weights in bf16 (widened in registers). Without the engine's kernels: oneDNN, else F.linear.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def gemm_choices(isa: CpuIsa, dtype: str, kernels: bool) -> tuple[str, ...]:
     """The GEMMs for more than GEMV_MAX_ROWS rows, best first; a layer takes the first that packs its weight."""
     if dtype not in KERNEL_DTYPE_NAMES:
         return ("torch",)
-    onednn_first = dtype == "float32" or isa.onednn_bf16
+    onednn_first = dtype == "bfloat16" and isa.onednn_bf16
     choices = ("onednn", "panels") if onednn_first else ("panels", "onednn")
     return (*(c for c in choices if kernels or c != "panels"), "torch")
 

@@ -71,6 +71,7 @@ constexpr int64_t kPanel = 2 * kLanes;  // output columns per panel: two vectors
 // must fit the 32 (AVX-512) or 16 (AVX2, SSE) vector registers
 constexpr int64_t kBlockRows = kLanes == 16 ? 12 : 6;
 constexpr int64_t kChunkBytes = 256 * 1024;  // x rows per pass over a thread's panels: they stay in L2
+constexpr int64_t kInlineElements = 1 << 15;  // below this many x elements, regrouping x is not worth threads
 
 inline float bf16_to_float(uint16_t bits) {
   const uint32_t widened = uint32_t(bits) << 16;
@@ -150,42 +151,19 @@ const float* fp32_bias(const std::optional<at::Tensor>& bias, int64_t n, at::Sca
   return out.data();
 }
 
-// y [m, n] from fp32 values: stores fp32, or rounds once to bf16
-struct Output {
-  float* f32 = nullptr;
-  c10::BFloat16* bf16 = nullptr;
-  void put(int64_t at, float v) const {
-    if (f32) {
-      f32[at] = v;
-    } else {
-      bf16[at] = c10::BFloat16(v);
-    }
-  }
-};
-
-Output output_of(at::Tensor& out) {
-  Output o;
-  if (out.scalar_type() == at::kFloat) {
-    o.f32 = out.data_ptr<float>();
-  } else {
-    o.bf16 = out.data_ptr<c10::BFloat16>();
-  }
-  return o;
-}
-
 void check_weight(const at::Tensor& x, const at::Tensor& w, const char* op) {
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), op, ": x and w must share a dtype");
   TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, op, ": float32 or bfloat16 expected");
   TORCH_CHECK(w.is_contiguous(), op, ": w must be contiguous");
 }
 
-template <typename W>
-void gemv_rows(const W* w, const float* x, const float* bias, int64_t m, int64_t n, int64_t k, const Output& y) {
+template <typename W, typename Out>
+void gemv_rows(const W* w, const float* x, const float* bias, int64_t m, int64_t n, int64_t k, Out* y) {
   at::parallel_for(0, n, kGrainRows, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       const W* row = w + j * k;
       const float b = bias ? bias[j] : 0.f;
-      for (int64_t i = 0; i < m; ++i) y.put(i * n + j, dot(row, x + i * k, k) + b);
+      for (int64_t i = 0; i < m; ++i) y[i * n + j] = from_fp32<Out>(dot(row, x + i * k, k) + b);
     }
   });
 }
@@ -199,11 +177,11 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   const float* xs = fp32_rows(xc, xf);
   const float* bs = fp32_bias(bias, n, w.scalar_type(), bf);
   at::Tensor out = at::empty({m, n}, x.options());
-  const Output y = output_of(out);
   if (w.scalar_type() == at::kFloat) {
-    gemv_rows(w.data_ptr<float>(), xs, bs, m, n, k, y);
+    gemv_rows(w.data_ptr<float>(), xs, bs, m, n, k, out.data_ptr<float>());
   } else {
-    gemv_rows(reinterpret_cast<const uint16_t*>(w.data_ptr()), xs, bs, m, n, k, y);
+    gemv_rows(reinterpret_cast<const uint16_t*>(w.data_ptr()), xs, bs, m, n, k,
+              reinterpret_cast<uint16_t*>(out.data_ptr()));
   }
   return out;
 }
@@ -238,7 +216,8 @@ struct RowBlocks {
 template <typename X>
 std::vector<float> pack_row_blocks(const X* x, const RowBlocks& blocks, int64_t k) {
   std::vector<float> out(blocks.first(blocks.count) * k);
-  at::parallel_for(0, blocks.count, 1, [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, kInlineElements / (kBlockRows * k));  // decode-sized x: no threads
+  at::parallel_for(0, blocks.count, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t first = blocks.first(b), rows = blocks.rows(b);
       float* block = out.data() + first * k;
