@@ -24,6 +24,7 @@ from engine.core.engine import LLMEngine
 from engine.distributed import ParallelContext, broadcast_object, init_parallel, init_single
 from engine.errors import UserError
 from engine.io_utils import atomic_write_text
+from engine.placement.split import DensePlacement
 from engine.plan.kv_sizing import kv_sizing
 from engine.plan.report import PlanReport
 from engine.runtime.host_allocator import reuse_freed_memory
@@ -58,10 +59,11 @@ def start_rank(report: PlanReport) -> tuple[EngineConfig, ParallelContext, Model
     config = EngineConfig.from_report(report)
     layout = config.layout
     device = torch.device("cuda" if config.device == "cuda" else "cpu")
+    placement = DensePlacement.build(layout, config.model)
     if layout.world_size == 1 and "RANK" not in os.environ:
-        par = init_single(layout, device)
+        par = init_single(placement, device)
     else:
-        par = init_parallel(layout, config.device, config.dist_backend)
+        par = init_parallel(placement, config.device, config.dist_backend)
     _set_threads(config)
     if device.type == "cpu":
         reuse_freed_memory()
@@ -93,7 +95,7 @@ def start_rank(report: PlanReport) -> tuple[EngineConfig, ParallelContext, Model
 
 
 def _write_rank_stats(par: ParallelContext, runner: ModelRunner) -> None:
-    """With DCPCTL_RANK_STATS_DIR set, each rank records its KV cache allocation (for tests and tooling)."""
+    """With DCPCTL_RANK_STATS_DIR set, each rank records its KV cache and weight allocations (for tests and tooling)."""
     folder = os.environ.get("DCPCTL_RANK_STATS_DIR")
     if not folder:
         return
@@ -103,6 +105,7 @@ def _write_rank_stats(par: ParallelContext, runner: ModelRunner) -> None:
         "tp_rank": par.tp_rank,
         "dcp_rank": par.dcp_rank,
         "kv_cache_bytes": runner.kv_cache_bytes,
+        "weight_bytes": runner.weight_bytes,
         "kv_cache_shape": list(runner.kv_cache.shape),
         "num_blocks": runner.cache_layout.num_blocks,
     }
