@@ -59,7 +59,8 @@ def start_rank(report: PlanReport) -> tuple[EngineConfig, ParallelContext, Model
     config = EngineConfig.from_report(report)
     layout = config.layout
     device = torch.device("cuda" if config.device == "cuda" else "cpu")
-    placement = DensePlacement.build(layout, config.model)
+    parallel = report.plan.parallel
+    placement = DensePlacement.build(layout, config.model, parallel.dense, parallel.dcp_comm_backend)
     if layout.world_size == 1 and "RANK" not in os.environ:
         par = init_single(placement, device)
     else:
