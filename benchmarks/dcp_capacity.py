@@ -102,22 +102,24 @@ def main() -> None:
         work = Path(tmp)
         model = make_model(work / "model")
         max_len = max(args.contexts) + args.new_tokens
-        plans, reports = {}, {}
+        plans, checks = {}, {}
         for d in (1, 2):
             plans[d] = write_plan(work, model, d, args.memory, max_len)
-            reports[d] = validate_plan_file(plans[d])
-            if reports[d].kv is not None and reports[d].kv.token_capacity < max_len:  # cap at what fits
-                plans[d] = write_plan(work, model, d, args.memory, reports[d].kv.token_capacity)
-                reports[d] = validate_plan_file(plans[d])
+            checks[d] = validate_plan_file(plans[d])
+            kv = checks[d].resolved.kv
+            if kv is not None and kv.token_capacity < max_len:  # cap at what fits
+                plans[d] = write_plan(work, model, d, args.memory, kv.token_capacity)
+                checks[d] = validate_plan_file(plans[d])
         print(f"KV budget per rank: {args.memory}")
         print("| plan | KV bytes per rank | blocks per rank | tokens per rank | token capacity | vs dcp1 |")
         print("|---|---|---|---|---|---|")
-        for r in reports.values():
+        for c in checks.values():
+            r = c.resolved
             if r.kv is None:
-                raise SystemExit(f"{r.name}: {[str(e) for e in r.errors]}")
+                raise SystemExit(f"{c.name}: {[str(e) for e in c.problems.errors]}")
             print(
                 f"| {r.name} | {format_bytes(r.kv.bytes_per_rank)} | {r.kv.num_blocks} | {r.kv.tokens_per_rank} | "
-                f"{r.kv.token_capacity} | {r.kv.token_capacity / reports[1].kv.token_capacity:.2f}x |"
+                f"{r.kv.token_capacity} | {r.kv.token_capacity / checks[1].resolved.kv.token_capacity:.2f}x |"
             )
         print()
         print("| context | dcp1 ms/token | dcp2 ms/token | dcp2 / dcp1 |")
@@ -125,11 +127,11 @@ def main() -> None:
         for context in args.contexts:
             times = {}
             for d, plan in plans.items():
-                if reports[d].kv.token_capacity < context + args.new_tokens:
+                if checks[d].resolved.kv.token_capacity < context + args.new_tokens:
                     times[d] = None
                     continue
                 times[d], stats = decode_time(plan, context, args.new_tokens, work)
-                assert {s["kv_cache_bytes"] for s in stats} == {reports[d].kv.bytes_per_rank}
+                assert {s["kv_cache_bytes"] for s in stats} == {checks[d].resolved.kv.bytes_per_rank}
             cells = [f"{t * 1e3:.1f}" if t else "does not fit" for t in (times[1], times[2])]
             ratio = f"{times[2] / times[1]:.2f}" if times[1] and times[2] else "-"
             print(f"| {context} | {cells[0]} | {cells[1]} | {ratio} |", flush=True)

@@ -4,7 +4,7 @@ At batch 1 every decode step reads every weight once, so no engine can beat (wei
 bandwidth); the matmul kernels set a lower ceiling of their own. This runs the model's linear
 layers (the shapes of a Llama-family config: qkv, o, gate_up, down per layer, then the LM head)
 back to back on one row, through plain `F.linear`, oneDNN's packed path and the engine's own GEMV
-(engine/layers/cpu_gemm.py, cpu_kernels.py; the engine takes the GEMV at 1-2 rows), with random
+(engine/kernels/cpu_gemm.py, cpu_kernels.py; the engine takes the GEMV at 1-2 rows), with random
 weights of the model's dtype. It prints the read bandwidth, each chain's matmul time and effective
 GB/s, and the tokens/s the engine's GEMV allows with nothing else in the step. With a gap, each
 matmul follows that much single-threaded work, as in a real step; the matmuls alone are still

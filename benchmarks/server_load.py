@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.llm import resolve_report
+from engine.llm import resolve_plan
 from evals.bench.client import RequestRecord, completion_body
 from evals.bench.metrics import Stat
 from evals.bench.workload import load_tokenizer, random_prompts, sampleable_ids
@@ -154,8 +154,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for plan in args.plans:
-        report = resolve_report(plan)
-        vocab = sampleable_ids(load_tokenizer(report.model_path))
+        vocab = sampleable_ids(load_tokenizer(resolve_plan(plan).model_path))
         prompts = random_prompts(vocab, 256, args.input_len, args.seed)
         with PlanServer(plan) as server:
             for clients in args.clients:

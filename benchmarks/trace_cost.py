@@ -30,8 +30,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    report = validate_plan_file(args.plan, args.overrides)
-    tokenizer = load_tokenizer(resolve_model_path(report.plan.model.path))
+    resolved = validate_plan_file(args.plan, args.overrides).require_valid()
+    tokenizer = load_tokenizer(resolve_model_path(resolved.plan.model.path))
     prompts = random_prompts(sampleable_ids(tokenizer), args.num_prompts, args.input_len, seed=0)
     best = {"plain": 0.0, "traced": 0.0}
     with PlanServer(args.plan, args.overrides) as server:

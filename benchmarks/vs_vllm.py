@@ -263,7 +263,7 @@ def vllm_python(venv: str | None) -> tuple[str | None, str]:
 
 
 def cpu_line() -> str:
-    from engine.cpu_isa import detect
+    from engine.kernels.cpu_isa import detect
 
     model = "?"
     with contextlib.suppress(OSError, StopIteration):

@@ -1,4 +1,4 @@
-"""`dcpctl plan validate` and `dcpctl plan show`: rendering of plan reports (no torch)."""
+"""`dcpctl plan validate` and `dcpctl plan show`: rendering of plan checks (no torch)."""
 
 from __future__ import annotations
 
@@ -16,47 +16,51 @@ from engine import dcp
 from engine.plan.checks import validate_plan_file
 from engine.plan.kv_sizing import format_bytes
 from engine.plan.loader import plan_to_dict
-from engine.plan.report import PlanReport
+from engine.plan.resolved import ResolvedPlan
+from engine.plan.validation import PlanCheck
 
 app = typer.Typer(help="Validate and inspect parallelism plans.", no_args_is_help=True)
 RANK_COLORS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
 
 
-def report_to_dict(report: PlanReport) -> dict:
-    """A JSON-ready summary of a plan report (what `--json` prints)."""
+def check_to_dict(check: PlanCheck) -> dict:
+    """A JSON-ready summary of a plan check (what `--json` prints)."""
+    problems = check.problems
     data: dict = {
-        "plan": report.name,
-        "source": report.source,
-        "valid": report.valid,
-        "errors": [{"field": e.field, "message": e.message, "file": e.file, "line": e.line} for e in report.errors],
-        "warnings": report.warnings,
-        "notes": report.notes,
+        "plan": check.name,
+        "source": check.source,
+        "valid": check.valid,
+        "errors": [{"field": e.field, "message": e.message, "file": e.file, "line": e.line} for e in problems.errors],
+        "warnings": problems.warnings,
+        "notes": problems.notes,
     }
-    if report.loaded is not None:
-        data["resolved"] = {
-            "device": report.device,
-            "dtype": report.dtype,
-            "cache_dtype": report.cache_dtype,
-            "attention_backend": report.backend,
-            "world_size": report.world_size,
-            "max_model_len": report.max_model_len,
-            "model_path": str(report.model_path) if report.model_path else None,
-            "cpu_paths": report.cpu_paths.describe() if report.cpu_paths else None,
-        }
-        data["config"] = plan_to_dict(report.plan)
-    if report.layout is not None:
+    res = check.resolved
+    if res is None:
+        return data
+    data["resolved"] = {
+        "device": res.device,
+        "dtype": res.dtype,
+        "cache_dtype": res.cache_dtype,
+        "attention_backend": res.backend,
+        "world_size": res.world_size,
+        "max_model_len": res.max_model_len,
+        "model_path": str(res.model_path) if res.model_path else None,
+        "cpu_paths": res.cpu_paths.describe() if res.cpu_paths else None,
+    }
+    data["config"] = plan_to_dict(res.plan)
+    if res.layout is not None:
         data["layout"] = {
-            "kind": report.layout.kind,
-            "kv_replication": report.layout.replication,
-            "replicas": report.layout.replicas,
+            "kind": res.layout.kind,
+            "kv_replication": res.layout.replication,
+            "replicas": res.layout.replicas,
         }
-    if report.kv is not None:
+    if res.kv is not None:
         data["kv_cache"] = {
-            "bytes_per_rank": report.kv.bytes_per_rank,
-            "blocks_per_rank": report.kv.num_blocks,
-            "tokens_per_rank": report.kv.tokens_per_rank,
-            "token_capacity": report.kv.token_capacity,
-            "bytes_per_token_per_rank": report.kv.bytes_per_token,
+            "bytes_per_rank": res.kv.bytes_per_rank,
+            "blocks_per_rank": res.kv.num_blocks,
+            "tokens_per_rank": res.kv.tokens_per_rank,
+            "token_capacity": res.kv.token_capacity,
+            "bytes_per_token_per_rank": res.kv.bytes_per_token,
         }
     return data
 
@@ -69,12 +73,12 @@ def validate(
 ) -> None:
     """Check plans against the schema, the layout rules and the model; exit 1 if any is invalid."""
     plans, overrides = split_plans_and_overrides(args)
-    reports = [validate_plan_file(p, overrides, strict=strict) for p in plans]
+    checks = [validate_plan_file(p, overrides, strict=strict) for p in plans]
     if as_json:
-        typer.echo(json.dumps([report_to_dict(r) for r in reports], indent=2))
+        typer.echo(json.dumps([check_to_dict(c) for c in checks], indent=2))
     else:
-        render_validation(Console(), reports)
-    raise typer.Exit(0 if all(r.valid for r in reports) else 1)
+        render_validation(Console(), checks)
+    raise typer.Exit(0 if all(c.valid for c in checks) else 1)
 
 
 def ownership_picture(length: int, block_size: int, interleave: int, dcp_size: int) -> Text:
@@ -95,17 +99,17 @@ def ownership_picture(length: int, block_size: int, interleave: int, dcp_size: i
     return text
 
 
-def _render_show(console: Console, report: PlanReport, positions: int) -> None:
-    plan = report.plan
+def _render_show(console: Console, res: ResolvedPlan, positions: int) -> None:
+    plan = res.plan
     p, c = plan.parallel, plan.cache
     console.print(Text.assemble(("plan ", "bold"), plan.name, "  ", (plan.description, "dim")))
     console.print(
-        f"model {plan.model.path} -> {report.model_path}  dtype {report.dtype}  "
-        f"cache dtype {report.cache_dtype}  device {report.device}  backend {report.backend}"
+        f"model {plan.model.path} -> {res.model_path}  dtype {res.dtype}  "
+        f"cache dtype {res.cache_dtype}  device {res.device}  backend {res.backend}"
     )
-    if report.cpu_paths is not None:
-        console.print(report.cpu_paths.describe())
-    layout = report.layout
+    if res.cpu_paths is not None:
+        console.print(res.cpu_paths.describe())
+    layout = res.layout
     if layout is not None:
         dcp_kind = {
             "none": "off",
@@ -120,9 +124,9 @@ def _render_show(console: Console, report: PlanReport, positions: int) -> None:
         ranks = Table(title="Ranks", header_style="bold")
         for column in ("rank", "replica", "tp rank", "dcp group", "dcp rank", "kv heads", "device"):
             ranks.add_column(column, justify="right")
-        local = report.local_world_size
+        local = res.local_world_size
         for role in layout.roles():
-            device = "cpu" if report.device == "cpu" else f"cuda:{role.rank % local}"
+            device = "cpu" if res.device == "cpu" else f"cuda:{role.rank % local}"
             heads = "latent" if layout.is_mla else f"{role.kv_head_start}..{role.kv_head_start + role.kv_heads - 1}"
             ranks.add_row(
                 str(role.rank),
@@ -137,8 +141,8 @@ def _render_show(console: Console, report: PlanReport, positions: int) -> None:
         console.print(f"TP groups: {layout.tp_groups()}   DCP groups: {layout.dcp_groups()}")
     else:
         console.print("[yellow]rank table needs the model's head counts (model folder absent or plan invalid)[/]")
-    if report.kv is not None:
-        kv = report.kv
+    if res.kv is not None:
+        kv = res.kv
         console.print(
             f"KV cache per rank: {format_bytes(kv.bytes_per_rank)} = {kv.num_blocks} blocks x "
             f"{kv.block_size} tokens x {kv.bytes_per_token} B/token; holds {kv.tokens_per_rank} tokens "
@@ -160,12 +164,13 @@ def show(
     plans, overrides = split_plans_and_overrides(args)
     if len(plans) != 1:
         raise typer.BadParameter("plan show takes exactly one plan file")
-    report = validate_plan_file(plans[0], overrides)
+    check = validate_plan_file(plans[0], overrides)
     console = Console()
-    if report.loaded is None or any(e.field in ("parallel.interleave", "cache.block_size") for e in report.errors):
-        render_validation(console, [report])
+    blocking = any(e.field in ("parallel.interleave", "cache.block_size") for e in check.problems.errors)
+    if check.resolved is None or blocking:
+        render_validation(console, [check])
         raise typer.Exit(1)
-    _render_show(console, report, positions)
-    if not report.valid:
-        render_validation(console, [report])
+    _render_show(console, check.resolved, positions)
+    if not check.valid:
+        render_validation(console, [check])
         raise typer.Exit(1)

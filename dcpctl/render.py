@@ -21,7 +21,8 @@ from rich.text import Text
 
 from engine.errors import UserError
 from engine.plan.kv_sizing import format_bytes
-from engine.plan.report import PlanReport
+from engine.plan.resolved import ResolvedPlan
+from engine.plan.validation import PlanCheck
 from evals.targets import Target, resolve_targets
 
 
@@ -31,47 +32,50 @@ def make_console() -> Console:
     return console if console.is_terminal else Console(width=200)
 
 
-def _kv_cell(report: PlanReport) -> str:
-    if report.kv is None:
+def _kv_cell(resolved: ResolvedPlan | None) -> str:
+    if resolved is None or resolved.kv is None:
         return "-"
-    return f"{format_bytes(report.kv.bytes_per_rank)} / {report.kv.tokens_per_rank} tok"
+    return f"{format_bytes(resolved.kv.bytes_per_rank)} / {resolved.kv.tokens_per_rank} tok"
 
 
-def render_validation(console: Console, reports: list[PlanReport]) -> None:
+def render_validation(console: Console, checks: list[PlanCheck]) -> None:
     """The validation table, then every error, warning and note under it."""
     table = Table(title="Plan validation", header_style="bold")
     for column in ("plan", "world", "tp", "dcp", "interleave", "block", "KV per rank", "status"):
         table.add_column(column, justify="left" if column in ("plan", "status", "KV per rank") else "right")
-    for r in reports:
-        p = r.loaded.plan.parallel if r.loaded else None
-        status = Text("valid", style="green") if r.valid else Text(f"invalid ({len(r.errors)})", style="bold red")
+    for c in checks:
+        res = c.resolved
+        p = res.plan.parallel if res else None
+        errors = len(c.problems.errors)
+        status = Text("valid", style="green") if c.valid else Text(f"invalid ({errors})", style="bold red")
         table.add_row(
-            r.name,
-            str(r.world_size or "?"),
+            c.name,
+            str((res.world_size if res else None) or "?"),
             str(p.tp if p else "?"),
             str(p.dcp if p else "?"),
             str(p.interleave if p else "?"),
-            str(r.loaded.plan.cache.block_size if r.loaded else "?"),
-            _kv_cell(r),
+            str(res.plan.cache.block_size if res else "?"),
+            _kv_cell(res),
             status,
         )
     console.print(table)
-    for r in reports:
-        for e in r.errors:
-            console.print(Text.assemble(("error ", "bold red"), f"{r.name}: ", str(e)), soft_wrap=True)
-        for w in r.warnings:
-            console.print(Text.assemble(("warning ", "yellow"), f"{r.name}: {w}"), soft_wrap=True)
-        for n in r.notes:
-            console.print(Text.assemble(("note ", "dim"), f"{r.name}: {n}"), soft_wrap=True)
-        if r.cpu_paths is not None:
-            console.print(Text.assemble(("cpu ", "dim"), f"{r.name}: {r.cpu_paths.describe()}"), soft_wrap=True)
+    for c in checks:
+        for e in c.problems.errors:
+            console.print(Text.assemble(("error ", "bold red"), f"{c.name}: ", str(e)), soft_wrap=True)
+        for w in c.problems.warnings:
+            console.print(Text.assemble(("warning ", "yellow"), f"{c.name}: {w}"), soft_wrap=True)
+        for n in c.problems.notes:
+            console.print(Text.assemble(("note ", "dim"), f"{c.name}: {n}"), soft_wrap=True)
+        if c.resolved is not None and c.resolved.cpu_paths is not None:
+            paths = c.resolved.cpu_paths.describe()
+            console.print(Text.assemble(("cpu ", "dim"), f"{c.name}: {paths}"), soft_wrap=True)
 
 
 def checked_targets(specs: list[str], overrides: list[str], console: Console) -> list[Target]:
     """The targets, after showing the plans' validation table; every problem printed and a UserError if any."""
     check = resolve_targets(specs, overrides)
-    if check.reports:
-        render_validation(console, check.reports)
+    if check.plan_checks:
+        render_validation(console, check.plan_checks)
     if check.problems:
         for p in check.problems:
             console.print(Text.assemble(("error ", "bold red"), p), soft_wrap=True)

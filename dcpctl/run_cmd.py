@@ -30,15 +30,15 @@ def run(
     """Launch the plan's ranks (torchrun for more than one) and serve an OpenAI-compatible API,
     or generate for the given prompts and print a results table."""
     from engine.offline import OfflineJob, read_prompts
-    from engine.serve_entry import serve, serving_report
+    from engine.serve_entry import launch_ranks, runnable_plan, serve
 
     plans, overrides = split_plans_and_overrides(args)
     if len(plans) != 1:
         raise typer.BadParameter("dcpctl run takes one plan file")
-    report = serving_report(plans[0], overrides)
+    resolved = runnable_plan(plans[0], overrides)
     prompts = list(prompt or []) + (read_prompts(prompts_file) if prompts_file else [])
     if not prompts:
-        return serve(report, overrides)
+        return serve(resolved, overrides)
     params = {
         "max_tokens": max_tokens,
         "temperature": temperature,
@@ -53,17 +53,15 @@ def run(
 
     SamplingParams(**params).validate()
     job = OfflineJob(prompts=prompts, params=params, output=str(output) if output else None)
-    if report.world_size == 1:
+    if resolved.world_size == 1:
         from engine.llm import LLM
         from engine.offline import run_offline
 
-        with LLM(report) as llm:
+        with LLM(resolved) as llm:
             run_offline(llm, job)
         return None
-    from engine.runtime.launcher import launch
-
     with tempfile.TemporaryDirectory(prefix="dcpctl-job-") as tmp:
         job_file = Path(tmp) / "job.json"
         job.save(job_file)
-        launch(report, overrides, ["--job-file", str(job_file)])
+        launch_ranks(resolved, overrides, ["--job-file", str(job_file)])
     return None

@@ -17,7 +17,7 @@ from engine.core.sequence import SamplingParams, Sequence, TokenLogprob
 from engine.core.startup import start_engine
 from engine.errors import UserError
 from engine.plan.checks import validate_plan_file
-from engine.plan.report import PlanReport
+from engine.plan.resolved import ResolvedPlan
 
 
 @dataclass
@@ -79,24 +79,25 @@ class RequestOutput:
         )
 
 
-def resolve_report(plan: str | Path | PlanReport, overrides: list[str] | None = None) -> PlanReport:
-    """A validated plan report; a UserError lists every problem of an invalid plan."""
-    report = plan if isinstance(plan, PlanReport) else validate_plan_file(plan, overrides)
-    return report.require_valid()
+def resolve_plan(plan: str | Path | ResolvedPlan, overrides: list[str] | None = None) -> ResolvedPlan:
+    """A plan file (with overrides) checked and resolved; a UserError lists every problem of an invalid plan."""
+    if isinstance(plan, ResolvedPlan):
+        return plan
+    return validate_plan_file(plan, overrides).require_valid()
 
 
 class LLM:
     """Offline generation with a plan."""
 
-    def __init__(self, plan: str | Path | PlanReport, overrides: list[str] | None = None):
-        report = resolve_report(plan, overrides)
-        if report.layout is not None and report.layout.world_size > 1 and "RANK" not in os.environ:
+    def __init__(self, plan: str | Path | ResolvedPlan, overrides: list[str] | None = None):
+        resolved = resolve_plan(plan, overrides)
+        if (resolved.world_size or 1) > 1 and "RANK" not in os.environ:
             raise UserError(
-                f"plan {report.name} needs {report.layout.world_size} ranks: run it with "
-                f"`dcpctl run {report.source}` (or start this script with torchrun)"
+                f"plan {resolved.name} needs {resolved.world_size} ranks: run it with "
+                f"`dcpctl run {resolved.source}` (or start this script with torchrun)"
             )
-        self.report = report
-        engine = start_engine(report)
+        self.plan = resolved
+        engine = start_engine(resolved)
         if engine is None:  # a follower rank: rank 0 has closed its LLM
             sys.exit(0)
         self.engine = engine

@@ -1,7 +1,8 @@
 """`python -m engine.serve_entry PLAN [KEY=VALUE ...]`: serve a plan's OpenAI-compatible API.
 
-The engine's own entry point for serving, without the `dcpctl` command line: `dcpctl run PLAN` (no prompts) calls
-the same functions, and evals starts the plans it measures through it. Once healthy it prints
+The engine's own entry point for serving, without the `dcpctl` command line: `dcpctl run PLAN` calls the same
+functions (`launch_ranks` for its offline jobs of several ranks too), and evals starts the plans it measures through
+it. Once healthy it prints
 `serving NAME on http://HOST:PORT ...`; a user error prints `error: ...` and exits 1; SIGINT stops every rank
 (exit 0 for one rank, 130 when it interrupts torchrun); bad arguments exit 2.
 """
@@ -12,31 +13,39 @@ import argparse
 import sys
 
 from engine.errors import UserError
-from engine.plan.report import PlanReport
+from engine.plan.resolved import ResolvedPlan
 
 
-def serving_report(plan: str, overrides: list[str]) -> PlanReport:
-    """The validated plan, with its model folder present; UserError otherwise."""
-    from engine.llm import resolve_report
+def runnable_plan(plan: str, overrides: list[str]) -> ResolvedPlan:
+    """The plan file checked and resolved, with its model folder present; UserError otherwise."""
+    from engine.llm import resolve_plan
 
-    report = resolve_report(plan, overrides)
-    if report.missing_model:
-        raise UserError(report.missing_model)
-    return report
+    resolved = resolve_plan(plan, overrides)
+    if resolved.missing_model:
+        raise UserError(resolved.missing_model)
+    return resolved
 
 
-def serve(report: PlanReport, overrides: list[str]) -> None:
+def launch_ranks(resolved: ResolvedPlan, overrides: list[str], job_args: list[str]) -> None:
+    """Run the plan's ranks on this node under torchrun (the job: `--serve` or `--job-file FILE`)."""
+    from engine.runtime.launcher import launch
+
+    overrides = resolved.rank_overrides(overrides)
+    launch(resolved.plan.launch, resolved.local_world_size, resolved.source, overrides, job_args)
+
+
+def serve(resolved: ResolvedPlan, overrides: list[str]) -> None:
     """Serve the plan until SIGINT/SIGTERM: in this process for one rank, else its ranks under torchrun."""
-    from engine.runtime.launcher import ensure_port_free, launch
+    from engine.runtime.launcher import ensure_port_free
 
-    serve_cfg = report.plan.serve
+    serve_cfg = resolved.plan.serve
     ensure_port_free(serve_cfg.host, serve_cfg.port, "serve.port")
-    if report.world_size == 1:
+    if resolved.world_size == 1:
         from engine.serving.hosting import serve_plan
 
-        serve_plan(report)
+        serve_plan(resolved)
     else:
-        launch(report, overrides, ["--serve"])
+        launch_ranks(resolved, overrides, ["--serve"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="plan fields to override")
     args = parser.parse_args(argv)
     try:
-        serve(serving_report(args.plan, args.overrides), args.overrides)
+        serve(runnable_plan(args.plan, args.overrides), args.overrides)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

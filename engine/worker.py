@@ -70,18 +70,18 @@ def _run_job(argv: list[str] | None) -> int:
         return int(exc.code or 0)
     try:
         _import_engine(args.serve)
-        from engine.llm import resolve_report
+        from engine.llm import resolve_plan
 
-        report = resolve_report(args.plan, args.overrides)
+        resolved = resolve_plan(args.plan, args.overrides)
         if args.serve:
             from engine.serving.hosting import serve_plan
 
-            serve_plan(report)
+            serve_plan(resolved)
         else:
             from engine.llm import LLM
             from engine.offline import OfflineJob, run_offline
 
-            llm = LLM(report)
+            llm = LLM(resolved)
             try:
                 run_offline(llm, OfflineJob.load(Path(args.job_file)))
             finally:

@@ -77,10 +77,10 @@ def fingerprint(target: Target, overrides: list[str], task: TaskSpec, opts: Eval
         "max_gen_toks": opts.max_gen_toks,
         "token_traces": TOP_LOGPROBS,  # runs saved without traces can't explain their disagreements
     }
-    if target.report is None:
+    if target.resolved is None:
         fp["url"] = target.spec
     else:
-        plan = plan_to_dict(target.report.plan)
+        plan = plan_to_dict(target.resolved.plan)
         plan.get("serve", {}).pop("port", None)  # every launch picks a free port
         fp["plan"] = plan
         fp["overrides"] = list(overrides)
@@ -206,7 +206,7 @@ def evaluate_target(
     run = outcome.value
     if run is None:
         run = _failure(target.label, outcome.error or "", task, opts)
-    run.dtype = target.report.dtype if target.report is not None else None
+    run.dtype = target.resolved.dtype if target.resolved is not None else None
     return TargetEval(target=target, run=run, launch=outcome.launch)
 
 

@@ -99,12 +99,12 @@ class Launched:
         health_timeout_s: float,
         status: Status,
     ) -> None:
-        assert target.report is not None, "a URL target is not launched"
-        self.world_size = target.report.world_size
+        assert target.resolved is not None, "a URL target is not launched"
+        self.world_size = target.resolved.world_size
         self.server = PlanServer(
             target.spec,
             overrides,
-            host=target.report.plan.serve.host,
+            host=target.resolved.plan.serve.host,
             health_timeout_s=health_timeout_s,
             log_path=log_path,
             label=target.label,
@@ -180,7 +180,7 @@ def measure_target(
     ("eval", "benchmark") names the measurement in those reasons. `on_server` sees a launched server once it is
     healthy (tests: an engine crash).
     """
-    if target.report is None:
+    if target.resolved is None:
         try:
             return Outcome(measure(Served(target.spec)), launch={"url": target.spec})
         except Exception as exc:

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from engine.errors import UserError
 from engine.plan.checks import validate_plan_file
-from engine.plan.report import PlanReport
+from engine.plan.resolved import ResolvedPlan
+from engine.plan.validation import PlanCheck
 from evals.endpoint import check_server, normalize_base_url
 
 URL_PREFIXES = ("http://", "https://")
@@ -24,24 +25,25 @@ def is_url(spec: str) -> bool:
 
 @dataclass
 class Target:
-    """One column of a comparison: a plan file (validated) or a URL."""
+    """One column of a comparison: a plan file with its resolved plan (launched only when its check found no
+    problem), or a URL (no resolved plan)."""
 
     spec: str
     label: str
-    report: PlanReport | None = None
+    resolved: ResolvedPlan | None = None
     dir_name: str = ""  # its folder under the output directory
 
     @property
     def is_url(self) -> bool:
-        return self.report is None
+        return self.resolved is None
 
 
 @dataclass
 class TargetCheck:
-    """The targets, the plan reports (for the validation table) and every problem that stops the run."""
+    """The targets, the plans' checks (for the validation table) and every problem that stops the run."""
 
     targets: list[Target] = field(default_factory=list)
-    reports: list[PlanReport] = field(default_factory=list)
+    plan_checks: list[PlanCheck] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
 
@@ -58,12 +60,12 @@ def resolve_targets(specs: list[str], overrides: list[str]) -> TargetCheck:
                 root = spec
             check.targets.append(Target(spec=root, label=root))
             continue
-        report = validate_plan_file(spec, overrides)
-        check.reports.append(report)
-        if report.valid and report.missing_model:
-            check.problems.append(report.missing_model)
-        check.problems += [f"plan {report.name}: {e}" for e in report.errors]
-        check.targets.append(Target(spec=spec, label=report.name, report=report))
+        checked = validate_plan_file(spec, overrides)
+        check.plan_checks.append(checked)
+        if checked.valid and checked.resolved.missing_model:
+            check.problems.append(checked.resolved.missing_model)
+        check.problems += [f"plan {checked.name}: {e}" for e in checked.problems.errors]
+        check.targets.append(Target(spec=spec, label=checked.name, resolved=checked.resolved))
     labels = [t.label for t in check.targets]
     for t, label, name in zip(check.targets, unique_labels(labels), plan_dir_names(labels), strict=True):
         t.label, t.dir_name = label, name

@@ -220,7 +220,7 @@ def test_bench_tp1_plan_and_hf_end_to_end(tmp_path, tiny_llama):
     assert "output tok/s" in text and "tp1" in text and HF_LABEL in text
     data = json.loads((out / "bench.json").read_text())
     assert [t["label"] for t in data["targets"]] == ["tp1", HF_LABEL]
-    report = validate_plan_file(str(plan), [])
+    report = validate_plan_file(str(plan), []).resolved
     for target in data["targets"]:
         assert target["error"] is None
         reqs = target["requests"]

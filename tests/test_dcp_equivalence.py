@@ -14,7 +14,6 @@ import sys
 
 import pytest
 
-from engine.placement.split import DensePlacement
 from engine.placement.weights import weight_bytes
 from engine.plan.checks import validate_plan_file
 from tests.oracle import LOGPROB_TOL, hf_greedy, prompt_ids, read_jsonl, write_plan
@@ -173,7 +172,7 @@ def test_layout_matches_hf_and_shards_cache(tmp_path, tiny_models, case):
     prompts_file.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
     plan = write_plan(tmp_path, folder, settings)
     report = validate_plan_file(plan)
-    assert report.valid, report.errors
+    assert report.valid, report.problems.errors
     stats_dir = tmp_path / "stats"
     records, stats = dcpctl_run(plan, prompts_file, tmp_path / "out.jsonl", stats_dir)
 
@@ -184,21 +183,20 @@ def test_layout_matches_hf_and_shards_cache(tmp_path, tiny_models, case):
         assert max(abs(a - b) for a, b in zip(ours, logprobs, strict=True)) < LOGPROB_TOL
 
     # every rank allocated exactly what `dcpctl plan show` reports, and the layout has the planned ranks
-    assert len(stats) == report.world_size
-    assert {s["kv_cache_bytes"] for s in stats} == {report.kv.bytes_per_rank}
-    assert sorted({s["dcp_rank"] for s in stats}) == list(range(report.plan.parallel.dcp))
-    p = report.plan.parallel
-    placement = DensePlacement.build(report.layout, report.model, p.dense, p.dcp_comm_backend)
-    assert [s["weight_bytes"] for s in stats] == [weight_bytes(placement, s["rank"], 4) for s in stats]
+    res = report.resolved
+    assert len(stats) == res.world_size
+    assert {s["kv_cache_bytes"] for s in stats} == {res.kv.bytes_per_rank}
+    assert sorted({s["dcp_rank"] for s in stats}) == list(range(res.plan.parallel.dcp))
+    assert [s["weight_bytes"] for s in stats] == [weight_bytes(res.placement, s["rank"], 4) for s in stats]
     if "fallback" in case:
-        assert placement.fallbacks and placement.fallbacks[0] in report.notes
+        assert res.placement.fallbacks and res.placement.fallbacks[0] in report.problems.notes
     if "preempt" in case:
         assert any(r["num_preemptions"] for r in records)
 
 
 def test_dcp_doubles_token_capacity_at_the_same_budget(tmp_path, tiny_models):
     folder = tiny_models(MLA[0], **MLA[1])
-    one = validate_plan_file(write_plan(tmp_path, folder, {"parallel.tp": 2}, "a.yaml"))
-    two = validate_plan_file(write_plan(tmp_path, folder, {"parallel.tp": 2, "parallel.dcp": 2}, "b.yaml"))
+    one = validate_plan_file(write_plan(tmp_path, folder, {"parallel.tp": 2}, "a.yaml")).resolved
+    two = validate_plan_file(write_plan(tmp_path, folder, {"parallel.tp": 2, "parallel.dcp": 2}, "b.yaml")).resolved
     assert one.kv.bytes_per_rank == two.kv.bytes_per_rank
     assert two.kv.token_capacity == 2 * one.kv.token_capacity

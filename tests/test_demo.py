@@ -23,14 +23,15 @@ def test_demo_plans_found_from_any_cwd_and_valid(tmp_path, monkeypatch):
     assert [Path(p).stem for p in plans] == list(demo_cmd.DEMO_PLANS)
     assert all(Path(p).parent == REPO / "plans" / "cpu" for p in plans)
     reports = [validate_plan_file(p) for p in plans]
-    assert all(r.valid for r in reports), [str(e) for r in reports for e in r.errors]
-    assert [(r.world_size, r.plan.parallel.dcp, r.plan.parallel.interleave) for r in reports] == [
+    assert all(r.valid for r in reports), [str(e) for r in reports for e in r.problems.errors]
+    resolved = [r.resolved for r in reports]
+    assert [(r.world_size, r.plan.parallel.dcp, r.plan.parallel.interleave) for r in resolved] == [
         (1, 1, 1),
         (2, 2, 1),
         (2, 2, 16),
         (2, 2, 64),
     ]
-    assert reports[-1].plan.parallel.interleave == reports[-1].plan.cache.block_size  # block-level interleave
+    assert resolved[-1].plan.parallel.interleave == resolved[-1].plan.cache.block_size  # block-level interleave
 
 
 def test_offline_without_data_uses_labelled_synthetic_sample(tmp_path, monkeypatch):

@@ -146,7 +146,7 @@ def test_resume_only_reuses_matching_successful_runs(tmp_path, tiny_llama):
     plan = write_plan(tmp_path, tiny_llama)
     from engine.plan.checks import validate_plan_file
 
-    target = Target(spec=str(plan), label="p", report=validate_plan_file(plan))
+    target = Target(spec=str(plan), label="p", resolved=validate_plan_file(plan).require_valid())
     task = TaskSpec(name="gsm8k_local", base="gsm8k", include_path=tmp_path, data_dir=tmp_path)
     opts = evaluate.EvalOptions(limit=2, num_fewshot=1)
     fp = evaluate.fingerprint(target, [], task, opts)

@@ -11,7 +11,7 @@ def check(make_plan, text, overrides=None, strict=False):
 
 
 def messages(report):
-    return [e.message for e in report.errors]
+    return [e.message for e in report.problems.errors]
 
 
 def test_valid_plan_resolves_settings(make_plan, llama_folder):
@@ -21,11 +21,12 @@ def test_valid_plan_resolves_settings(make_plan, llama_folder):
         "launch: {device: cpu}\ncache: {memory: 1MiB}\n",
     )
     assert report.valid, messages(report)
-    assert (report.device, report.dtype, report.cache_dtype, report.backend) == ("cpu", "float32", "float32", "cpu")
-    assert report.world_size == 4  # 2 KV heads over tp 2: R = 1, so dcp 2 adds a replica
-    assert report.layout.kind == "replica"
+    res = report.resolved
+    assert (res.device, res.dtype, res.cache_dtype, res.backend) == ("cpu", "float32", "float32", "cpu")
+    assert res.world_size == 4  # 2 KV heads over tp 2: R = 1, so dcp 2 adds a replica
+    assert res.layout.kind == "replica"
     # 2 layers x 2 (K,V) x 1 KV head x 8 dims x 4 bytes = 128 bytes/token/rank; 1 MiB / (16 x 128) = 512 blocks
-    assert (report.kv.bytes_per_token, report.kv.num_blocks, report.kv.token_capacity) == (128, 512, 512 * 16 * 2)
+    assert (res.kv.bytes_per_token, res.kv.num_blocks, res.kv.token_capacity) == (128, 512, 512 * 16 * 2)
 
 
 def test_interleave_must_divide_block_size(make_plan, llama_folder):
@@ -35,7 +36,7 @@ def test_interleave_must_divide_block_size(make_plan, llama_folder):
     assert messages(report) == [
         "parallel.interleave=48 does not divide cache.block_size=64; use one of 1, 2, 4, 8, 16, 32, 64"
     ]
-    assert report.errors[0].line == 3
+    assert report.problems.errors[0].line == 3
 
 
 def test_interleave_above_block_size(make_plan, llama_folder):
@@ -51,7 +52,7 @@ def test_all_problems_reported_at_once(make_plan, llama_folder):
         f"model: {{path: {llama_folder}, dtype: fp32}}\nparallel: {{tp: 3, pp: 2}}\n"
         "attention: {backend: trition}\nlaunch: {device: cpu, dist_backend: nccl}\n",
     )
-    fields = sorted(e.field for e in report.errors)
+    fields = sorted(e.field for e in report.problems.errors)
     assert fields == ["attention.backend", "launch.dist_backend", "model.dtype", "parallel.pp", "parallel.tp"], fields
     text = " | ".join(messages(report))
     assert "model.dtype='fp32' is not one of auto, float32, bfloat16, float16" in text
@@ -64,7 +65,7 @@ def test_all_problems_reported_at_once(make_plan, llama_folder):
 def test_gqa_dcp_inside_tp(make_plan, tmp_path):
     folder = write_config(tmp_path / "kv1", num_key_value_heads=1)
     report = check(make_plan, f"model: {{path: {folder}}}\nparallel: {{tp: 2, dcp: 2}}\nlaunch: {{device: cpu}}\n")
-    assert report.valid and report.layout.kind == "tp" and report.world_size == 2
+    assert report.valid and report.resolved.layout.kind == "tp" and report.resolved.world_size == 2
 
 
 def test_dcp_not_matching_replication(make_plan, tmp_path):
@@ -84,8 +85,8 @@ def test_mla_model_rules(make_plan, tmp_path):
         f"model: {{path: {folder}}}\nparallel: {{tp: 2, dcp: 2}}\ncache: {{memory: 1MiB}}\nlaunch: {{device: cpu}}\n",
     )
     assert report.valid, messages(report)
-    assert report.layout.kind == "tp" and report.world_size == 2
-    assert report.kv.bytes_per_token == 2 * (32 + 8) * 4  # latent + rope, one "head", 2 layers, fp32
+    assert report.resolved.layout.kind == "tp" and report.resolved.world_size == 2
+    assert report.resolved.kv.bytes_per_token == 2 * (32 + 8) * 4  # latent + rope, one "head", 2 layers, fp32
     report = check(make_plan, f"model: {{path: {folder}}}\nparallel: {{tp: 2}}\n", strict=False)
     folder2 = write_config(tmp_path / "mla_odd", **mla_fields(moe_intermediate_size=33))
     report = check(make_plan, f"model: {{path: {folder2}}}\nparallel: {{tp: 2}}\n")
@@ -117,7 +118,7 @@ def test_bad_memory_text(make_plan, llama_folder):
 
 def test_fraction_memory_on_cpu(make_plan, llama_folder):
     report = check(make_plan, f"model: {{path: {llama_folder}}}\ncache: {{memory: 0.01}}\nlaunch: {{device: cpu}}\n")
-    assert report.kv_budget_bytes > 0 and any("of free RAM" in n for n in report.notes)
+    assert report.resolved.kv_budget_bytes > 0 and any("of free RAM" in n for n in report.problems.notes)
 
 
 def test_no_chunked_prefill_needs_budget(make_plan, llama_folder):
@@ -131,7 +132,7 @@ def test_no_chunked_prefill_needs_budget(make_plan, llama_folder):
 def test_missing_model_is_a_note_unless_strict(make_plan, tmp_path):
     text = f"model: {{path: {tmp_path / 'absent'}}}\nparallel: {{tp: 2, dcp: 2}}\n"
     report = check(make_plan, text)
-    assert report.valid and "model checks skipped" in report.notes[0]
+    assert report.valid and "model checks skipped" in report.problems.notes[0]
     strict = check(make_plan, text, strict=True)
     assert not strict.valid and "required by --strict" in messages(strict)[0]
 
@@ -159,7 +160,7 @@ def test_cpu_backend_on_cuda_is_an_error(make_plan, llama_folder):
 def test_many_cpu_ranks_warn(make_plan, tmp_path):
     folder = write_config(tmp_path / "kv1", num_key_value_heads=1, num_attention_heads=16)
     report = check(make_plan, f"model: {{path: {folder}}}\nparallel: {{tp: 16}}\nlaunch: {{device: cpu}}\n")
-    assert report.valid and any("ranks share cores" in w for w in report.warnings)
+    assert report.valid and any("ranks share cores" in w for w in report.problems.warnings)
 
 
 def test_cuda_without_gpus(make_plan, llama_folder, monkeypatch):

@@ -80,13 +80,13 @@ def _check_invalid(path: Path, tmp_path: Path) -> None:
     """The report is invalid with one-line problems; the CLI exits 1 and prints each problem on one line."""
     report = validate_plan_file(path)
     assert not report.valid
-    for problem in report.errors:
+    for problem in report.problems.errors:
         assert "\n" not in str(problem) and str(problem).strip(), problem
     result = runner.invoke(app, ["plan", "validate", str(path)], terminal_width=80)
     assert result.exit_code == 1, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     lines = [line for line in result.output.splitlines() if line.startswith("error ")]
-    assert len(lines) == len(report.errors), result.output
+    assert len(lines) == len(report.problems.errors), result.output
     as_json = runner.invoke(app, ["plan", "validate", "--json", str(path)])
     assert as_json.exit_code == 1 and json.loads(as_json.output)[0]["valid"] is False
 
@@ -114,7 +114,7 @@ def test_wrong_types_and_values_in_every_field(tmp_path, fields):
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(_nest({"model.path": str(tmp_path / "no-model"), **fields})))
     report = validate_plan_file(path)
-    for problem in report.errors:
+    for problem in report.problems.errors:
         assert "\n" not in str(problem), problem
     result = runner.invoke(app, ["plan", "validate", "--json", str(path)])
     assert result.exit_code == (0 if report.valid else 1), result.output
@@ -137,7 +137,7 @@ def test_base_chains_with_cycles(tmp_path, llama_folder, links):
         (tmp_path / f"p{i}.yaml").write_text(f"base: p{target}.yaml\nmodel: {{path: {llama_folder}}}\n")
     for i in range(4):
         _check_invalid(tmp_path / f"p{i}.yaml", tmp_path)
-        assert "inheritance loops" in str(validate_plan_file(tmp_path / f"p{i}.yaml").errors[0])
+        assert "inheritance loops" in str(validate_plan_file(tmp_path / f"p{i}.yaml").problems.errors[0])
 
 
 @pytest.mark.parametrize(
@@ -176,15 +176,15 @@ def test_model_path_that_is_not_a_model(make_plan, tmp_path):
     for target, needle in ((tmp_path, "has no config.json"), (tmp_path / "weights.bin", "is a file")):
         report = validate_plan_file(make_plan(f"model: {{path: {target}}}\n"))
         assert not report.valid
-        (problem,) = report.errors
+        (problem,) = report.problems.errors
         assert problem.field == "model.path" and needle in problem.message and "not a model" in problem.message
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_bytes(b"\xff\xfe[1]")
-    (problem,) = validate_plan_file(make_plan(f"model: {{path: {broken}}}\n")).errors
+    (problem,) = validate_plan_file(make_plan(f"model: {{path: {broken}}}\n")).problems.errors
     assert "config.json is not a JSON text" in problem.message
     (broken / "config.json").write_text("[1, 2]")
-    (problem,) = validate_plan_file(make_plan(f"model: {{path: {broken}}}\n")).errors
+    (problem,) = validate_plan_file(make_plan(f"model: {{path: {broken}}}\n")).problems.errors
     assert "must hold a JSON object" in problem.message
     missing = validate_plan_file(make_plan(f"model: {{path: {tmp_path / 'absent'}}}\n"))
-    assert missing.valid and "not found" in missing.notes[0]  # not there yet: a note, as before
+    assert missing.valid and "not found" in missing.problems.notes[0]  # not there yet: a note, as before

@@ -20,7 +20,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.core.engine import LLMEngine
 from engine.core.startup import start_rank
-from engine.llm import resolve_report
+from engine.llm import resolve_plan
 from engine.serving.hosting import ServerHandle, start_server
 from tests.oracle import hf_greedy, hf_prompt_logprobs, prompt_ids, write_plan
 
@@ -64,7 +64,7 @@ class Served:
 
 
 def serve(plan: Path, model_name: str = MODEL) -> Served:
-    config, par, runner = start_rank(resolve_report(plan))
+    config, par, runner = start_rank(resolve_plan(plan))
     engine = LLMEngine(config, par, runner)
     return Served(plan, engine, start_server(engine, model_name))
 

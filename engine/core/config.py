@@ -1,5 +1,5 @@
 """The slice of a resolved plan that the engine runs with (`EngineConfig`): every rank's start-up and rank 0's
-engine read it, never the whole plan report."""
+engine read it, never the whole resolved plan."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from engine.checkpoints.model_info import ModelInfo
 from engine.core.scheduler import SchedulerConfig
 from engine.errors import UserError
 from engine.parallel_layout import ParallelLayout
+from engine.placement.split import DensePlacement
 from engine.plan.kv_sizing import parse_memory
-from engine.plan.report import PlanReport
+from engine.plan.resolved import ResolvedPlan
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class EngineConfig:
     model_path: Path
     model: ModelInfo
     layout: ParallelLayout
+    placement: DensePlacement
     dtype: str
     cache_dtype: str
     device: str
@@ -37,27 +39,28 @@ class EngineConfig:
     local_world_size: int  # ranks on this node, which share its cores
 
     @classmethod
-    def from_report(cls, report: PlanReport) -> EngineConfig:
-        """The engine's slice of a valid plan whose model folder is here; a UserError says why not otherwise."""
-        report.require_valid()
-        if report.missing_model:
-            raise UserError(report.missing_model)
-        plan = report.plan
+    def from_plan(cls, resolved: ResolvedPlan) -> EngineConfig:
+        """The engine's slice of a valid plan (`PlanCheck.require_valid`); a UserError when its model folder is
+        not here."""
+        if resolved.missing_model:
+            raise UserError(resolved.missing_model)
+        plan = resolved.plan
         _, fraction = parse_memory(plan.cache.memory)
-        max_len = report.max_model_len or report.model.max_position_embeddings
+        max_len = resolved.max_model_len or resolved.model.max_position_embeddings
         return cls(
-            model_path=report.model_path,
-            model=report.model,
-            layout=report.layout,
-            dtype=report.dtype,
-            cache_dtype=report.cache_dtype,
-            device=report.device,
+            model_path=resolved.model_path,
+            model=resolved.model,
+            layout=resolved.layout,
+            placement=resolved.placement,
+            dtype=resolved.dtype,
+            cache_dtype=resolved.cache_dtype,
+            device=resolved.device,
             dist_backend=plan.launch.dist_backend,
-            attention_backend=report.backend,
+            attention_backend=resolved.backend,
             block_size=plan.cache.block_size,
             interleave=plan.parallel.interleave,
             max_model_len=max_len,
-            num_blocks=report.kv.num_blocks if report.kv is not None else None,
+            num_blocks=resolved.kv.num_blocks if resolved.kv is not None else None,
             kv_memory_fraction=fraction,
             scheduler=SchedulerConfig(
                 plan.scheduler.max_num_seqs,
@@ -67,5 +70,5 @@ class EngineConfig:
             ),
             prefix_caching=plan.cache.prefix_caching,
             threads_per_rank=plan.launch.threads_per_rank,
-            local_world_size=report.local_world_size,
+            local_world_size=resolved.local_world_size,
         )

@@ -24,9 +24,8 @@ from engine.core.engine import LLMEngine
 from engine.distributed import ParallelContext, broadcast_object, init_parallel, init_single
 from engine.errors import UserError
 from engine.io_utils import atomic_write_text
-from engine.placement.split import DensePlacement
 from engine.plan.kv_sizing import kv_sizing
-from engine.plan.report import PlanReport
+from engine.plan.resolved import ResolvedPlan
 from engine.runtime.host_allocator import reuse_freed_memory
 from engine.runtime.model_runner import TORCH_DTYPES, CacheLayout, ModelRunner
 
@@ -52,19 +51,17 @@ def _num_blocks(config: EngineConfig, par: ParallelContext) -> int:
     return int(blocks.item())
 
 
-def start_rank(report: PlanReport) -> tuple[EngineConfig, ParallelContext, ModelRunner]:
+def start_rank(resolved: ResolvedPlan) -> tuple[EngineConfig, ParallelContext, ModelRunner]:
     """Join the plan's layout (torchrun world, or a single process) and build this rank's runner."""
     from transformers import AutoConfig
 
-    config = EngineConfig.from_report(report)
+    config = EngineConfig.from_plan(resolved)
     layout = config.layout
     device = torch.device("cuda" if config.device == "cuda" else "cpu")
-    parallel = report.plan.parallel
-    placement = DensePlacement.build(layout, config.model, parallel.dense, parallel.dcp_comm_backend)
     if layout.world_size == 1 and "RANK" not in os.environ:
-        par = init_single(placement, device)
+        par = init_single(config.placement, device)
     else:
-        par = init_parallel(placement, config.device, config.dist_backend)
+        par = init_parallel(config.placement, config.device, config.dist_backend)
     _set_threads(config)
     if device.type == "cpu":
         reuse_freed_memory()
@@ -113,7 +110,7 @@ def _write_rank_stats(par: ParallelContext, runner: ModelRunner) -> None:
     atomic_write_text(Path(folder) / f"rank{par.rank}.json", json.dumps(stats))
 
 
-def start_engine(report: PlanReport, shield_followers: bool = False) -> LLMEngine | None:
+def start_engine(resolved: ResolvedPlan, shield_followers: bool = False) -> LLMEngine | None:
     """Every rank's start: rank 0 gets its engine; any other rank follows rank 0's steps until rank 0 stops it,
     then gets None.
 
@@ -121,7 +118,7 @@ def start_engine(report: PlanReport, shield_followers: bool = False) -> LLMEngin
     tells them after its last step); a signal from torchrun must not kill a follower in the middle of a collective,
     which would leave rank 0 hanging.
     """
-    config, par, runner = start_rank(report)
+    config, par, runner = start_rank(resolved)
     if par.is_driver:
         return LLMEngine(config, par, runner)
     if shield_followers:

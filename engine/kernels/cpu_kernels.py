@@ -2,7 +2,7 @@
 
 torch's cpp_extension compiles the sources once per ISA level (~20 s with gcc on 2 cores; scripts/setup.sh
 does it at install) into `~/.cache/dcpctl/kernels` and registers the ops as `torch.ops.dcpctl.*`;
-later processes load the cached library in milliseconds. The build targets the level `engine.cpu_isa`
+later processes load the cached library in milliseconds. The build targets the level `engine.kernels.cpu_isa`
 reports (`-march=x86-64-v4` for AVX-512, `x86-64-v3` for AVX2, no `-march` on other CPUs), never
 `-march=native`, and the level names the cached build: a home directory shared between machines with
 different CPUs keeps one build per level and never loads one the CPU cannot run. Where it cannot be

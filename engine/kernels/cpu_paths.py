@@ -1,4 +1,4 @@
-"""Which kernel each part of a CPU step runs: chosen once from the ISA level (`engine.cpu_isa`) and the dtype.
+"""Which kernel each part of a CPU step runs: chosen once from the ISA level (`engine.kernels.cpu_isa`) and the dtype.
 
 The one place these choices are made: `cpu_gemm` packs the linear layers by it, and `plan validate` /
 `plan show` and the engine's start-up line print it. No torch import (plan checks use it).

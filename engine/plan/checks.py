@@ -1,7 +1,7 @@
 """Cross-checks of a loaded plan against the rules of DESIGN.md and the model's config.json.
 
 Every problem is collected (not just the first), each naming the field, the values, the rule
-and a fix. The result, a `PlanReport`, also carries the resolved settings (device, dtypes, backend,
+and a fix. The result, a `PlanCheck`, holds those problems beside the resolved plan (device, dtypes, backend,
 layout, KV sizing) that `plan show` displays and the engine runs with.
 """
 
@@ -19,20 +19,22 @@ from engine.errors import UserError
 from engine.kernels import cpu_isa
 from engine.kernels.cpu_paths import CpuPaths, kernels_wanted
 from engine.parallel_layout import ParallelLayout, divisors, layout_problems
+from engine.placement.split import COMM_BACKENDS, DENSE_PLACEMENTS, DensePlacement
 from engine.plan.kv_sizing import format_bytes, kv_sizing, parse_memory
 from engine.plan.loader import LoadedPlan, PlanLoadError, load_plan
-from engine.plan.report import PlanReport, model_not_found
-from engine.plan.schema import ATTENTION_BACKENDS, DEVICES, DIST_BACKENDS, DTYPES, Plan
+from engine.plan.resolved import ResolvedPlan, model_not_found
+from engine.plan.schema import ATTENTION_BACKENDS, DEVICES, DIST_BACKENDS, DTYPES
+from engine.plan.validation import PlanCheck, PlanProblems
 
 MAX_WORLD_SIZE = 65536  # ranks of one plan; far beyond any deployment, so a larger one is a typo
 
 
-def _choice(report: PlanReport, key: str, value: str, choices: tuple[str, ...]) -> bool:
+def _choice(problems: PlanProblems, key: str, value: str, choices: tuple[str, ...]) -> bool:
     if value in choices:
         return True
     close = difflib.get_close_matches(value, choices, n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
-    report.error(key, f"{key}={value!r} is not one of {', '.join(choices)}{hint}")
+    problems.error(key, f"{key}={value!r} is not one of {', '.join(choices)}{hint}")
     return False
 
 
@@ -41,183 +43,205 @@ def _listing(values: list[int], limit: int = 16) -> str:
     return shown + (f", ... ({len(values)} in all)" if len(values) > limit else "")
 
 
-def _check_static(report: PlanReport, plan: Plan) -> None:
+def _check_static(problems: PlanProblems, res: ResolvedPlan) -> None:
+    plan = res.plan
     p, c, s, lch = plan.parallel, plan.cache, plan.scheduler, plan.launch
     if p.pp != 1:
-        report.error("parallel.pp", f"parallel.pp={p.pp}: pipeline parallelism is not supported yet; set parallel.pp=1")
+        problems.error(
+            "parallel.pp", f"parallel.pp={p.pp}: pipeline parallelism is not supported yet; set parallel.pp=1"
+        )
     if c.block_size < 1:
-        report.error("cache.block_size", f"cache.block_size={c.block_size} must be >= 1 (e.g. 16 or 64)")
+        problems.error("cache.block_size", f"cache.block_size={c.block_size} must be >= 1 (e.g. 16 or 64)")
     elif not 1 <= p.interleave <= c.block_size or c.block_size % p.interleave:
-        report.error(
+        problems.error(
             "parallel.interleave",
             f"parallel.interleave={p.interleave} does not divide cache.block_size={c.block_size}; "
             f"use one of {_listing(divisors(c.block_size))}",
         )
-    _choice(report, "model.dtype", plan.model.dtype, DTYPES)
-    _choice(report, "cache.dtype", c.dtype, DTYPES)
-    _choice(report, "attention.backend", plan.attention.backend, ATTENTION_BACKENDS)
-    _choice(report, "launch.device", lch.device, DEVICES)
-    _choice(report, "launch.dist_backend", lch.dist_backend, DIST_BACKENDS)
+    _choice(problems, "model.dtype", plan.model.dtype, DTYPES)
+    _choice(problems, "cache.dtype", c.dtype, DTYPES)
+    _choice(problems, "attention.backend", plan.attention.backend, ATTENTION_BACKENDS)
+    _choice(problems, "launch.device", lch.device, DEVICES)
+    _choice(problems, "launch.dist_backend", lch.dist_backend, DIST_BACKENDS)
+    _choice(problems, "parallel.dense", p.dense, DENSE_PLACEMENTS)
+    if p.dcp_comm_backend == "fi_a2a":
+        problems.error(
+            "parallel.dcp_comm_backend",
+            "parallel.dcp_comm_backend='fi_a2a' is SGLang's FlashInfer MNNVL kernel and is not supported; "
+            "use a2a (one all_to_all over the DCP group) or ag_rs",
+        )
+    else:
+        _choice(problems, "parallel.dcp_comm_backend", p.dcp_comm_backend, COMM_BACKENDS)
+    if p.dcp == 1 and p.dcp_comm_backend == "a2a":
+        problems.notes.append("parallel.dcp_comm_backend=a2a has no effect with parallel.dcp=1")
     if s.max_num_seqs < 1:
-        report.error("scheduler.max_num_seqs", f"scheduler.max_num_seqs={s.max_num_seqs} must be >= 1")
+        problems.error("scheduler.max_num_seqs", f"scheduler.max_num_seqs={s.max_num_seqs} must be >= 1")
     if s.max_num_batched_tokens < 1:
-        report.error(
+        problems.error(
             "scheduler.max_num_batched_tokens",
             f"scheduler.max_num_batched_tokens={s.max_num_batched_tokens} must be >= 1",
         )
     if plan.model.max_model_len is not None and plan.model.max_model_len < 1:
-        report.error("model.max_model_len", f"model.max_model_len={plan.model.max_model_len} must be >= 1")
+        problems.error("model.max_model_len", f"model.max_model_len={plan.model.max_model_len} must be >= 1")
     if lch.nnodes < 1:
-        report.error("launch.nnodes", f"launch.nnodes={lch.nnodes} must be >= 1")
+        problems.error("launch.nnodes", f"launch.nnodes={lch.nnodes} must be >= 1")
     elif not 0 <= lch.node_rank < lch.nnodes:
-        report.error(
+        problems.error(
             "launch.node_rank",
             f"launch.node_rank={lch.node_rank} must be in 0..{lch.nnodes - 1} (launch.nnodes={lch.nnodes})",
         )
     if lch.nnodes > 1 and lch.master_port == 0 and not lch.rdzv_endpoint:
-        report.error(
+        problems.error(
             "launch.master_port",
             "a multi-node launch needs launch.master_port (the same on every node) or launch.rdzv_endpoint",
         )
     if not 0 <= lch.master_port <= 65535:
-        report.error("launch.master_port", f"launch.master_port={lch.master_port} is not a port (0 picks a free one)")
+        problems.error("launch.master_port", f"launch.master_port={lch.master_port} is not a port (0 picks a free one)")
     if not 0 <= plan.serve.port <= 65535:
-        report.error("serve.port", f"serve.port={plan.serve.port} is not a port number (1..65535)")
-    if lch.dist_backend == "nccl" and report.device == "cpu":
-        report.error("launch.dist_backend", "launch.dist_backend=nccl needs CUDA; use gloo (or auto) on CPU")
+        problems.error("serve.port", f"serve.port={plan.serve.port} is not a port number (1..65535)")
+    if lch.dist_backend == "nccl" and res.device == "cpu":
+        problems.error("launch.dist_backend", "launch.dist_backend=nccl needs CUDA; use gloo (or auto) on CPU")
     if lch.threads_per_rank < 0:
-        report.error(
+        problems.error(
             "launch.threads_per_rank",
             f"launch.threads_per_rank={lch.threads_per_rank} must be >= 0 (0: cores / local ranks)",
         )
     try:
-        report.kv_budget_bytes, fraction = parse_memory(c.memory)
+        res.kv_budget_bytes, fraction = parse_memory(c.memory)
     except UserError as exc:
-        report.error("cache.memory", str(exc))
+        problems.error("cache.memory", str(exc))
         return
-    if fraction is not None and report.device == "cpu":
-        local = report.local_world_size
-        report.kv_budget_bytes = int(fraction * devices.available_memory_bytes() / local)
-        report.notes.append(
-            f"cache.memory={c.memory}: {format_bytes(report.kv_budget_bytes)} per rank "
+    if fraction is not None and res.device == "cpu":
+        local = res.local_world_size
+        res.kv_budget_bytes = int(fraction * devices.available_memory_bytes() / local)
+        problems.notes.append(
+            f"cache.memory={c.memory}: {format_bytes(res.kv_budget_bytes)} per rank "
             f"({fraction:g} of free RAM over {local} local ranks)"
         )
     elif fraction is not None:
-        report.notes.append(f"cache.memory={c.memory}: the byte budget is measured on the GPU at launch")
+        problems.notes.append(f"cache.memory={c.memory}: the byte budget is measured on the GPU at launch")
 
 
-def _resolve_dtypes(report: PlanReport, plan: Plan) -> None:
+def _resolve_dtypes(res: ResolvedPlan) -> None:
+    plan = res.plan
     if plan.model.dtype != "auto":
-        report.dtype = plan.model.dtype
-    elif report.device == "cpu":
-        report.dtype = "float32"
+        res.dtype = plan.model.dtype
+    elif res.device == "cpu":
+        res.dtype = "float32"
     else:
-        ckpt = report.model.torch_dtype if report.model else "bfloat16"
-        report.dtype = ckpt if ckpt in ("bfloat16", "float16") else "bfloat16"
-    report.cache_dtype = report.dtype if plan.cache.dtype == "auto" else plan.cache.dtype
+        ckpt = res.model.torch_dtype if res.model else "bfloat16"
+        res.dtype = ckpt if ckpt in ("bfloat16", "float16") else "bfloat16"
+    res.cache_dtype = res.dtype if plan.cache.dtype == "auto" else plan.cache.dtype
 
 
-def _flash_attn_limits(report: PlanReport, plan: Plan) -> list[str]:
+def _flash_attn_limits(res: ResolvedPlan) -> list[str]:
     """Why flash-attn's paged kernels cannot serve this GQA plan (empty when they can)."""
+    plan = res.plan
     limits = []
     if plan.cache.block_size % 256:
         limits.append(
             f"flash-attn's paged KV needs cache.block_size a multiple of 256 (got {plan.cache.block_size}); "
             "set cache.block_size=256 or use attention.backend=triton"
         )
-    if report.dtype not in ("bfloat16", "float16"):
+    if res.dtype not in ("bfloat16", "float16"):
         limits.append(
-            f"flash-attn runs bfloat16/float16 only (model.dtype resolves to {report.dtype}); "
+            f"flash-attn runs bfloat16/float16 only (model.dtype resolves to {res.dtype}); "
             "set model.dtype=bfloat16 or use triton"
         )
-    if report.cache_dtype != report.dtype:
-        limits.append(f"flash-attn needs cache.dtype equal to model.dtype ({report.cache_dtype} vs {report.dtype})")
+    if res.cache_dtype != res.dtype:
+        limits.append(f"flash-attn needs cache.dtype equal to model.dtype ({res.cache_dtype} vs {res.dtype})")
     return limits
 
 
-def _resolve_backend(report: PlanReport, plan: Plan) -> None:
+def _resolve_backend(problems: PlanProblems, res: ResolvedPlan) -> None:
+    plan = res.plan
     requested = plan.attention.backend
-    is_mla = bool(report.model and report.model.is_mla)
+    is_mla = bool(res.model and res.model.is_mla)
     has_flash = importlib.util.find_spec("flash_attn") is not None
     if requested == "auto":
-        if report.device != "cuda":
-            report.backend = "cpu"
+        if res.device != "cuda":
+            res.backend = "cpu"
         else:
-            usable = has_flash and not is_mla and not _flash_attn_limits(report, plan)
-            report.backend = "flash_attn" if usable else "triton"
+            usable = has_flash and not is_mla and not _flash_attn_limits(res)
+            res.backend = "flash_attn" if usable else "triton"
         return
-    report.backend = requested
+    res.backend = requested
     if requested == "flash_attn":
-        if report.device != "cuda":
-            report.error(
+        if res.device != "cuda":
+            problems.error(
                 "attention.backend",
                 "attention.backend=flash_attn needs CUDA (launch.device=cuda); use cpu or torch on CPU",
             )
         elif not has_flash:
-            report.error(
+            problems.error(
                 "attention.backend",
                 "attention.backend=flash_attn needs the flash-attn package (pip install 'dcpctl[gpu]'); or use triton",
             )
         elif is_mla:
-            report.notes.append("attention.backend=flash_attn: MLA layers use the Triton kernels")
+            problems.notes.append("attention.backend=flash_attn: MLA layers use the Triton kernels")
         else:
-            for message in _flash_attn_limits(report, plan):
-                report.error("attention.backend", message)
-    if requested == "cpu" and report.device == "cuda":
-        report.error(
+            for message in _flash_attn_limits(res):
+                problems.error("attention.backend", message)
+    if requested == "cpu" and res.device == "cuda":
+        problems.error(
             "attention.backend", "attention.backend=cpu runs on CPU only; use torch, triton or flash_attn on CUDA"
         )
-    if requested == "triton" and report.device == "cpu":
-        report.warnings.append("attention.backend=triton on CPU runs in the Triton interpreter (slow; for tests)")
+    if requested == "triton" and res.device == "cpu":
+        problems.warnings.append("attention.backend=triton on CPU runs in the Triton interpreter (slow; for tests)")
 
 
-def _resolve_cpu_paths(report: PlanReport) -> None:
-    if report.device != "cpu":
+def _resolve_cpu_paths(problems: PlanProblems, res: ResolvedPlan) -> None:
+    if res.device != "cpu":
         return
     try:
         isa = cpu_isa.detect()
     except UserError as exc:
-        report.error(cpu_isa.ENV, str(exc))
+        problems.error(cpu_isa.ENV, str(exc))
         return
-    report.cpu_paths = CpuPaths(isa, report.dtype, kernels_wanted(), report.backend)
+    res.cpu_paths = CpuPaths(isa, res.dtype, kernels_wanted(), res.backend)
 
 
-def _check_model(report: PlanReport, plan: Plan, info: ModelInfo) -> None:
+def _check_model(problems: PlanProblems, res: ResolvedPlan, info: ModelInfo) -> None:
+    plan = res.plan
     p = plan.parallel
-    problems = layout_problems(p.tp, p.dcp, info.num_heads, info.num_kv_heads, info.is_mla)
-    for key, message in problems:
-        report.error(key, message)
-    if not problems:
-        report.layout = ParallelLayout.build(p.tp, p.dcp, info.num_heads, info.num_kv_heads, info.is_mla)
+    bad_layout = layout_problems(p.tp, p.dcp, info.num_heads, info.num_kv_heads, info.is_mla)
+    for key, message in bad_layout:
+        problems.error(key, message)
+    if not bad_layout:
+        res.layout = ParallelLayout.build(p.tp, p.dcp, info.num_heads, info.num_kv_heads, info.is_mla)
+        if p.dense in DENSE_PLACEMENTS and p.dcp_comm_backend in COMM_BACKENDS:
+            res.placement = DensePlacement.build(res.layout, info, p.dense, p.dcp_comm_backend)
+            problems.notes.extend(res.placement.notes())
     for name, size in (
         ("intermediate_size", info.intermediate_size),
         ("moe_intermediate_size", info.moe_intermediate_size),
     ):
-        if not problems and size and size % p.tp:
-            report.error("parallel.tp", f"parallel.tp={p.tp} does not divide the model's {name}={size}")
+        if not bad_layout and size and size % p.tp:
+            problems.error("parallel.tp", f"parallel.tp={p.tp} does not divide the model's {name}={size}")
     limit = info.max_position_embeddings
     if plan.model.max_model_len is not None and plan.model.max_model_len > limit:
-        report.error(
+        problems.error(
             "model.max_model_len",
             f"model.max_model_len={plan.model.max_model_len} exceeds the model's "
             f"max_position_embeddings={limit}; use at most {limit}",
         )
-    report.max_model_len = min(plan.model.max_model_len or limit, limit)
+    res.max_model_len = min(plan.model.max_model_len or limit, limit)
 
 
-def _check_kv(report: PlanReport, plan: Plan, info: ModelInfo) -> None:
-    if report.kv_budget_bytes is None or report.layout is None or plan.cache.block_size < 1:
+def _check_kv(problems: PlanProblems, res: ResolvedPlan, info: ModelInfo) -> None:
+    plan = res.plan
+    if res.kv_budget_bytes is None or res.layout is None or plan.cache.block_size < 1:
         return
     try:
-        elem = dtype_bytes(report.cache_dtype)
+        elem = dtype_bytes(res.cache_dtype)
     except UserError:
         return
-    kv = kv_sizing(info, plan.parallel.tp, plan.parallel.dcp, plan.cache.block_size, elem, report.kv_budget_bytes)
-    report.kv = kv
-    need = report.max_model_len or 0
+    kv = kv_sizing(info, plan.parallel.tp, plan.parallel.dcp, plan.cache.block_size, elem, res.kv_budget_bytes)
+    res.kv = kv
+    need = res.max_model_len or 0
     if kv.token_capacity < need:
         budget = replace(kv, num_blocks=dcp.blocks_needed(need, kv.block_size, kv.dcp)).bytes_per_rank
-        report.error(
+        problems.error(
             "cache.memory",
             f"cache.memory={plan.cache.memory} holds {kv.token_capacity} tokens "
             f"({kv.num_blocks} blocks of {kv.block_size} per rank x dcp {kv.dcp}), fewer than one "
@@ -225,7 +249,7 @@ def _check_kv(report: PlanReport, plan: Plan, info: ModelInfo) -> None:
             f"{format_bytes(budget)} or lower model.max_model_len",
         )
     if not plan.scheduler.chunked_prefill and plan.scheduler.max_num_batched_tokens < need:
-        report.error(
+        problems.error(
             "scheduler.max_num_batched_tokens",
             f"scheduler.max_num_batched_tokens={plan.scheduler.max_num_batched_tokens} is below "
             f"model.max_model_len={need} with chunked_prefill off, so long prompts could never be "
@@ -233,98 +257,101 @@ def _check_kv(report: PlanReport, plan: Plan, info: ModelInfo) -> None:
         )
 
 
-def _check_devices(report: PlanReport, plan: Plan) -> None:
-    world = report.world_size
+def _check_devices(problems: PlanProblems, res: ResolvedPlan) -> None:
+    plan = res.plan
+    world = res.world_size
     if world is None:
         return
     if world > MAX_WORLD_SIZE:
-        report.error(
-            "parallel.dcp" if report.layout.replicas > 1 else "parallel.tp",
-            f"world size {world} (tp={plan.parallel.tp} x replicas {report.layout.replicas}) is more ranks than "
+        problems.error(
+            "parallel.dcp" if res.layout.replicas > 1 else "parallel.tp",
+            f"world size {world} (tp={plan.parallel.tp} x replicas {res.layout.replicas}) is more ranks than "
             f"dcpctl launches (at most {MAX_WORLD_SIZE}); lower parallel.tp or parallel.dcp",
         )
         return
     nnodes = max(1, plan.launch.nnodes)
     if world % nnodes:
-        report.error(
+        problems.error(
             "launch.nnodes",
             f"world size {world} (tp={plan.parallel.tp} x replicas "
-            f"{report.layout.replicas}) is not divisible by launch.nnodes={nnodes}",
+            f"{res.layout.replicas}) is not divisible by launch.nnodes={nnodes}",
         )
         return
-    local = report.local_world_size
-    if report.device == "cuda":
+    local = res.local_world_size
+    if res.device == "cuda":
         gpus = devices.cuda_device_count()
         if gpus < local:
-            report.error(
+            problems.error(
                 "launch.device",
                 f"the plan needs {local} GPUs on this node (world size {world} over "
                 f"{nnodes} node(s)) but {gpus} are visible; lower parallel.tp/dcp or add nodes",
             )
         if plan.launch.dist_backend == "gloo":
-            report.warnings.append("launch.dist_backend=gloo on CUDA moves tensors through host memory (slow)")
+            problems.warnings.append("launch.dist_backend=gloo on CUDA moves tensors through host memory (slow)")
     else:
         cores = devices.cpu_cores()
         if local > cores:
-            report.warnings.append(
+            problems.warnings.append(
                 f"{local} ranks on {cores} CPU cores: ranks share cores (fine for checking correctness, slow for speed)"
             )
 
 
-def _read_model(report: PlanReport, path: str, strict: bool) -> ModelInfo | None:
+def _read_model(problems: PlanProblems, res: ResolvedPlan, strict: bool) -> ModelInfo | None:
     """The model's config, or None with an error (a folder that is not a checkpoint) or a note (no folder yet)."""
+    path = res.plan.model.path
     try:
-        report.model_path = resolve_model_path(path)
-        exists, is_dir = report.model_path.exists(), report.model_path.is_dir()
-        has_config = (report.model_path / "config.json").is_file()
+        res.model_path = resolve_model_path(path)
+        exists, is_dir = res.model_path.exists(), res.model_path.is_dir()
+        has_config = (res.model_path / "config.json").is_file()
     except (OSError, ValueError) as exc:
-        report.error("model.path", f"model.path={path!r} is not a usable path ({exc}); fix model.path")
+        problems.error("model.path", f"model.path={path!r} is not a usable path ({exc}); fix model.path")
         return None
     if has_config:
         try:
-            return read_model_info(report.model_path)
+            return read_model_info(res.model_path)
         except UserError as exc:
-            report.error("model.path", str(exc))
+            problems.error("model.path", str(exc))
             return None
     if exists:
-        what = f"the folder {report.model_path} has no config.json" if is_dir else f"{report.model_path} is a file"
+        what = f"the folder {res.model_path} has no config.json" if is_dir else f"{res.model_path} is a file"
         fix = (
             f"run `dcpctl model pull {path}`"
             if is_alias(path)
             else "point model.path at an HF checkpoint folder (config.json, *.safetensors)"
         )
-        report.error("model.path", f"model.path={path} is not a model: {what}; {fix}")
+        problems.error("model.path", f"model.path={path} is not a model: {what}; {fix}")
         return None
-    message = model_not_found(report.model_path, path)
+    message = model_not_found(res.model_path, path)
     if strict:
-        report.error("model.path", f"{message}; required by --strict")
+        problems.error("model.path", f"{message}; required by --strict")
     else:
-        report.notes.append(f"{message}; model checks skipped")
+        problems.notes.append(f"{message}; model checks skipped")
     return None
 
 
-def check_plan(loaded: LoadedPlan, strict: bool = False) -> PlanReport:
+def check_plan(loaded: LoadedPlan, strict: bool = False) -> PlanCheck:
     """Validate a loaded plan against every rule; never raises for a bad plan."""
     plan = loaded.plan
-    report = PlanReport(source=str(loaded.source), name=plan.name, loaded=loaded)
-    report.device = devices.resolve_device(plan.launch.device) if plan.launch.device in DEVICES else "cpu"
-    report.model = info = _read_model(report, plan.model.path, strict)
+    problems = PlanProblems(where=loaded.where)
+    res = ResolvedPlan(source=str(loaded.source), plan=plan)
+    res.device = devices.resolve_device(plan.launch.device) if plan.launch.device in DEVICES else "cpu"
+    res.model = info = _read_model(problems, res, strict)
     if info is not None:
-        _check_model(report, plan, info)
-    _resolve_dtypes(report, plan)
-    _check_static(report, plan)
-    _resolve_backend(report, plan)
-    _resolve_cpu_paths(report)
+        _check_model(problems, res, info)
+    _resolve_dtypes(res)
+    _check_static(problems, res)
+    _resolve_backend(problems, res)
+    _resolve_cpu_paths(problems, res)
     if info is not None:
-        _check_kv(report, plan, info)
-    _check_devices(report, plan)
-    return report
+        _check_kv(problems, res, info)
+    _check_devices(problems, res)
+    return PlanCheck(source=res.source, name=plan.name, problems=problems, resolved=res)
 
 
-def validate_plan_file(path: str | Path, overrides: list[str] | None = None, strict: bool = False) -> PlanReport:
-    """Load and check one plan file; schema problems come back as errors in the report."""
+def validate_plan_file(path: str | Path, overrides: list[str] | None = None, strict: bool = False) -> PlanCheck:
+    """Load and check one plan file; schema problems come back as errors in the check."""
     try:
         loaded = load_plan(path, overrides)
     except PlanLoadError as exc:
-        return PlanReport(source=str(path), name=Path(path).stem, errors=list(exc.problems))
+        return PlanCheck(source=str(path), name=Path(path).stem, problems=PlanProblems(errors=list(exc.problems)))
     return check_plan(loaded, strict=strict)

@@ -15,7 +15,6 @@ import tempfile
 from pathlib import Path
 
 from engine.errors import UserError
-from engine.plan.report import PlanReport
 from engine.plan.schema import LaunchSection
 
 _LOWEST_PICKED_PORT = 10000
@@ -118,22 +117,16 @@ def _earliest(records: list[dict]) -> str:
     return f"rank {first['rank']}: {first['message']}"
 
 
-def plan_args(report: PlanReport, overrides: list[str]) -> list[str]:
-    """Worker arguments that reproduce this plan (file + overrides) on every rank."""
-    args = ["--plan", report.source]
-    for item in overrides:
-        args += ["--set", item]
-    if report.kv_budget_bytes is not None and report.device == "cpu":
-        args += ["--set", f"cache.memory={report.kv_budget_bytes}B"]  # every rank sizes the same cache
-    return args
-
-
-def launch(report: PlanReport, overrides: list[str], job_args: list[str]) -> None:
-    """Run the plan's ranks to completion; a UserError names the root cause if any rank fails."""
+def launch(
+    section: LaunchSection, ranks_per_node: int, plan_file: str, overrides: list[str], job_args: list[str]
+) -> None:
+    """Run this node's ranks of a plan to completion, each loading `plan_file` with `overrides`; a UserError names
+    the root cause if any rank fails."""
     run_dir = Path(tempfile.mkdtemp(prefix="dcpctl-run-"))
     log = run_dir / "torchrun.log"
-    worker_args = [*plan_args(report, overrides), "--error-dir", str(run_dir), *job_args]
-    cmd = torchrun_command(report.plan.launch, report.local_world_size, worker_args)
+    plan_args = ["--plan", plan_file, *(arg for item in overrides for arg in ("--set", item))]
+    worker_args = [*plan_args, "--error-dir", str(run_dir), *job_args]
+    cmd = torchrun_command(section, ranks_per_node, worker_args)
     env = dict(os.environ, LOGLEVEL=os.environ.get("LOGLEVEL", "ERROR"), PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
     # started in the background (nohup, `&`) SIGINT arrives ignored, and torchrun would inherit that: `kill -INT`

@@ -25,7 +25,7 @@ from engine.serving.openai_app import OpenAIServer
 
 if TYPE_CHECKING:
     from engine.core.engine import LLMEngine
-    from engine.plan.report import PlanReport
+    from engine.plan.resolved import ResolvedPlan
 
 logger = logging.getLogger("dcpctl.server")
 
@@ -130,16 +130,16 @@ def serve_engine(engine: LLMEngine, host: str, port: int, model_name: str) -> No
         engine_loop.stop()
 
 
-def serve_plan(report: PlanReport) -> None:
+def serve_plan(resolved: ResolvedPlan) -> None:
     """Every rank of `dcpctl run PLAN`: rank 0 serves the API; the other ranks follow its steps until it stops."""
     from engine.core.startup import start_engine
 
-    engine = start_engine(report, shield_followers=True)
+    engine = start_engine(resolved, shield_followers=True)
     if engine is None:
         return
-    serve = report.plan.serve
+    serve = resolved.plan.serve
     _configure_logging()
-    serve_engine(engine, serve.host, serve.port, serve.model_name or report.name)
+    serve_engine(engine, serve.host, serve.port, serve.model_name or resolved.name)
 
 
 def _configure_logging() -> None:

@@ -83,7 +83,7 @@ class BenchContext:
 
 def check_plans(targets: list[Target], opts: BenchOptions) -> Path | None:
     """The plans' shared model folder (None without plans); UserError if they differ or --hf has no model."""
-    folders = {t.report.model_path.resolve() for t in targets if t.report is not None and t.report.model_path}
+    folders = {t.resolved.model_path.resolve() for t in targets if t.resolved is not None and t.resolved.model_path}
     if len(folders) > 1:
         raise UserError(
             f"the plans use different models ({', '.join(sorted(map(str, folders)))}); bench compares layouts of "
@@ -100,12 +100,12 @@ def check_plans(targets: list[Target], opts: BenchOptions) -> Path | None:
 def check_lengths(targets: list[Target], workload: Workload) -> None:
     """UserError if a prompt plus its output cannot fit a plan's max_model_len."""
     for t in targets:
-        if t.report is None or t.report.max_model_len is None:
+        if t.resolved is None or t.resolved.max_model_len is None:
             continue
-        if workload.max_total_len > t.report.max_model_len:
+        if workload.max_total_len > t.resolved.max_model_len:
             raise UserError(
                 f"plan {t.label}: prompts of up to {max(workload.input_lens)} tokens + {workload.output_len} output "
-                f"tokens exceed model.max_model_len={t.report.max_model_len}; lower --input-len/--output-len or "
+                f"tokens exceed model.max_model_len={t.resolved.max_model_len}; lower --input-len/--output-len or "
                 f"raise model.max_model_len (nothing was launched)"
             )
 
@@ -116,7 +116,7 @@ def capacity_notes(targets: list[Target], workload: Workload, opts: BenchOptions
     need = batch * workload.max_total_len
     notes = []
     for t in targets:
-        kv = t.report.kv if t.report is not None else None
+        kv = t.resolved.kv if t.resolved is not None else None
         if kv is not None and kv.token_capacity < need:
             notes.append(
                 f"{t.label}: its KV cache holds {kv.token_capacity} tokens, less than {batch} requests × "

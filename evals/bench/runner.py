@@ -12,7 +12,7 @@ from typing import Any
 
 from engine.checkpoints.model_info import dtype_bytes, read_model_info, weight_elements
 from engine.errors import UserError
-from engine.plan.report import PlanReport
+from engine.plan.resolved import ResolvedPlan
 from evals.bench.client import RequestRecord, RunResult, run_requests
 from evals.bench.metrics import compute_metrics
 from evals.bench.options import HF_LABEL, BenchContext
@@ -117,13 +117,13 @@ def device_kind(device: str) -> str:
 def bench_target(target: Target, ctx: BenchContext, plan_dir: Path, keep_files: bool, feed: TargetFeed) -> TargetBench:
     """Measure a URL as it is, or launch the plan's server, measure it and stop it; failures come back in the
     result's error. A plan gets its KV columns and the roofline; a dcpctl server its peak blocks."""
-    report = target.report
-    result = TargetBench(label=target.label, kind="url" if report is None else "plan", spec=target.spec)
-    if report is not None:
-        assert report.kv is not None
-        result.world_size = report.world_size
-        result.kv_bytes_per_rank = report.kv.bytes_per_rank
-        result.token_capacity = report.kv.token_capacity
+    resolved = target.resolved
+    result = TargetBench(label=target.label, kind="url" if resolved is None else "plan", spec=target.spec)
+    if resolved is not None:
+        assert resolved.kv is not None
+        result.world_size = resolved.world_size
+        result.kv_bytes_per_rank = resolved.kv.bytes_per_rank
+        result.token_capacity = resolved.kv.token_capacity
     outcome = measure_target(
         target,
         ctx.overrides,
@@ -145,24 +145,24 @@ def bench_target(target: Target, ctx: BenchContext, plan_dir: Path, keep_files: 
     result.peak_kv_blocks = after.get("peak_used_blocks")
     if "preemptions" in after and "preemptions" in before:
         result.preemptions = after["preemptions"] - before["preemptions"]
-    if report is not None:
-        assert report.kv is not None
-        device = device_kind(report.device)
+    if resolved is not None:
+        assert resolved.kv is not None
+        device = device_kind(resolved.device)
         _roofline(
             ctx,
             result,
-            dtype=report.dtype,
-            kv_bytes_per_token=report.kv.bytes_per_token,
-            tp=report.plan.parallel.tp,
-            dcp=report.plan.parallel.dcp,
-            ranks_per_memory=report.local_world_size if device == "cpu" else 1,
+            dtype=resolved.dtype,
+            kv_bytes_per_token=resolved.kv.bytes_per_token,
+            tp=resolved.plan.parallel.tp,
+            dcp=resolved.plan.parallel.dcp,
+            ranks_per_memory=resolved.local_world_size if device == "cpu" else 1,
             device=device,
             batch=mean_running,
         )
     return result
 
 
-def bench_hf(ctx: BenchContext, plan_report: PlanReport | None, feed: TargetFeed) -> TargetBench:
+def bench_hf(ctx: BenchContext, first_plan: ResolvedPlan | None, feed: TargetFeed) -> TargetBench:
     """HF transformers `generate` in this process on the plans' model and device, the same prompts."""
     import torch
     from transformers.utils import logging as hf_logging
@@ -170,8 +170,8 @@ def bench_hf(ctx: BenchContext, plan_report: PlanReport | None, feed: TargetFeed
     from evals.bench.hf_reference import load_hf_model, run_hf
 
     assert ctx.model_path is not None
-    if plan_report is not None:
-        device, dtype = plan_report.device, plan_report.dtype
+    if first_plan is not None:
+        device, dtype = first_plan.device, first_plan.dtype
     else:
         device = default_device()
         dtype = "float32" if device == "cpu" else "bfloat16"
@@ -223,7 +223,7 @@ def default_device() -> str:
 def probe_bandwidth(targets: list[Target], hf: bool) -> tuple[dict[str, float], dict[str, str]]:
     """Copy bandwidth (bytes/s) of each device kind the plans (and --hf) run on, measured once before any launch;
     and why it could not be measured, for the kinds that failed."""
-    kinds = {device_kind(t.report.device) for t in targets if t.report is not None}
+    kinds = {device_kind(t.resolved.device) for t in targets if t.resolved is not None}
     if hf and not kinds:
         kinds.add(default_device())
     bandwidth: dict[str, float] = {}
@@ -247,7 +247,7 @@ def bench_targets(
 ) -> None:
     """Measure each target in turn, then HF (--hf), appending to `results` as each finishes."""
     n = ctx.opts.num_prompts
-    first_plan = next((t.report for t in targets if t.report is not None), None)
+    first_plan = next((t.resolved for t in targets if t.resolved is not None), None)
     jobs: list[Target | None] = [*targets, *([None] if ctx.opts.hf else [])]
     for target in jobs:
         progress = feed.target(target.label if target is not None else HF_LABEL, total=n)

@@ -1,37 +1,38 @@
-"""The outcome of checking one plan: every problem found (errors with their place, warnings, notes) and what the
-plan resolves to on this machine (model, device, dtypes, backend, layout, KV sizing, CPU kernel paths).
+"""What a plan resolves to on this machine (`ResolvedPlan`): its sections, the model's facts and folder, the layout,
+the KV sizing, the device, dtypes and attention backend, the CPU kernel paths.
 
-Facts derived from those (world size, ranks per node, why the plan cannot run here) are properties of the report,
-worked out in one place; the engine takes only its slice of a report (`engine.core.config.EngineConfig`).
+Facts derived from those (world size, ranks per node, why the model cannot load here, the overrides every rank
+reproduces the plan with) are its properties, worked out in one place. It holds no validation problems: those are
+`engine.plan.validation.PlanProblems`, and `PlanCheck.require_valid` is the one door from a check to a runnable
+plan. The engine takes only its slice of it (`engine.core.config.EngineConfig`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.checkpoints.model_info import ModelInfo
-from engine.errors import UserError
 from engine.kernels.cpu_paths import CpuPaths
 from engine.parallel_layout import ParallelLayout
+from engine.placement.split import DensePlacement
 from engine.plan.kv_sizing import KVSizing
-from engine.plan.loader import LoadedPlan, PlanProblem
 from engine.plan.schema import Plan
 
 
 @dataclass
-class PlanReport:
-    """Outcome of validating one plan, plus what it resolves to."""
+class ResolvedPlan:
+    """A plan's sections and what they resolve to here (filled in while the plan is checked).
 
-    source: str
-    name: str = ""
-    loaded: LoadedPlan | None = None
-    errors: list[PlanProblem] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    Model, layout and KV sizing stay None while the model folder is absent (a note, unless --strict).
+    """
+
+    source: str  # the plan file
+    plan: Plan
     model: ModelInfo | None = None
     model_path: Path | None = None
     layout: ParallelLayout | None = None
+    placement: DensePlacement | None = None  # the dense layers' splits (parallel.dense, parallel.dcp_comm_backend)
     kv: KVSizing | None = None
     device: str = ""
     dtype: str = ""
@@ -42,19 +43,12 @@ class PlanReport:
     cpu_paths: CpuPaths | None = None  # CPU plans: the ISA level and the kernels chosen from it
 
     @property
-    def valid(self) -> bool:
-        return not self.errors
-
-    @property
-    def plan(self) -> Plan:
-        assert self.loaded is not None
-        return self.loaded.plan
+    def name(self) -> str:
+        return self.plan.name
 
     @property
     def world_size(self) -> int | None:
-        if self.layout is not None:
-            return self.layout.world_size
-        return None
+        return self.layout.world_size if self.layout is not None else None
 
     @property
     def local_world_size(self) -> int:
@@ -71,15 +65,12 @@ class PlanReport:
             return None
         return f"plan {self.name}: {model_not_found(self.model_path, self.plan.model.path)}"
 
-    def require_valid(self) -> PlanReport:
-        """This report, or a UserError that lists every problem of the invalid plan."""
-        if self.errors:
-            raise UserError(f"plan {self.name} is invalid: " + "; ".join(str(e) for e in self.errors))
-        return self
-
-    def error(self, key: str, message: str) -> None:
-        file, line = self.loaded.where(key) if self.loaded else (self.source, None)
-        self.errors.append(PlanProblem(key, message, file, line))
+    def rank_overrides(self, overrides: list[str]) -> list[str]:
+        """The overrides every rank loads the plan file with: the given ones, and a CPU plan's KV budget pinned in
+        bytes (a fraction of free RAM differs from rank to rank; every rank must size the same cache)."""
+        if self.kv_budget_bytes is not None and self.device == "cpu":
+            return [*overrides, f"cache.memory={self.kv_budget_bytes}B"]
+        return list(overrides)
 
 
 def model_not_found(model_path: Path | None, spec: str) -> str:
