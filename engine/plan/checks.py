@@ -209,7 +209,9 @@ def _check_model(problems: PlanProblems, res: ResolvedPlan, info: ModelInfo) -> 
         problems.error(key, message)
     if not bad_layout:
         res.layout = ParallelLayout.build(p.tp, p.dcp, info.num_heads, info.num_kv_heads, info.is_mla)
-        if p.dense in DENSE_PLACEMENTS and p.dcp_comm_backend in COMM_BACKENDS:
+        # a world beyond MAX_WORLD_SIZE is an error of its own (_check_devices); its ranks are not enumerated
+        choices = p.dense in DENSE_PLACEMENTS and p.dcp_comm_backend in COMM_BACKENDS
+        if choices and res.layout.world_size <= MAX_WORLD_SIZE:
             res.placement = DensePlacement.build(res.layout, info, p.dense, p.dcp_comm_backend)
             problems.notes.extend(res.placement.notes())
     for name, size in (
