@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from dcpctl import placement_view
 from dcpctl.args import split_plans_and_overrides
 from dcpctl.render import render_validation
 from dcpctl.suggest_view import render_suggestion, suggestion_to_dict
@@ -72,6 +73,9 @@ def check_to_dict(check: PlanCheck) -> dict:
             "token_capacity": res.kv.token_capacity,
             "bytes_per_token_per_rank": res.kv.bytes_per_token,
         }
+    placed = placement_view.resolved_placement(res)
+    if placed is not None:
+        data["placement"] = placement_view.placement_to_dict(*placed)
     return data
 
 
@@ -193,28 +197,54 @@ def _render_show(console: Console, res: ResolvedPlan, positions: int) -> None:
             f"layout: tp={p.tp} dcp={p.dcp} kv heads={layout.num_kv_heads}{mla}, KV replication "
             f"R={layout.replication}, DCP {dcp_kind}, world size {layout.world_size}"
         )
+        placed = placement_view.resolved_placement(res)
+        if placed is not None:
+            console.print(placement_view.describe(placed[0]))
         ranks = Table(title="Ranks", header_style="bold")
-        for column in ("rank", "replica", "tp rank", "dcp group", "dcp rank", "kv heads", "device"):
+        columns = ["rank", "replica", "tp rank", "dcp group", "dcp rank", "kv heads"]
+        if placed is not None:
+            columns += ["q heads", "o slice", "weights"]
+        for column in (*columns, "device"):
             ranks.add_column(column, justify="right")
+        weights = placement_view.weights_per_rank(*placed) if placed is not None else []
         local = res.local_world_size
         for role in layout.roles():
             device = "cpu" if res.device == "cpu" else f"cuda:{role.rank % local}"
             heads = "latent" if layout.is_mla else f"{role.kv_head_start}..{role.kv_head_start + role.kv_heads - 1}"
-            ranks.add_row(
+            cells = [
                 str(role.rank),
                 str(role.replica),
                 str(role.tp_rank),
                 str(role.dcp_group),
                 Text(str(role.dcp_rank), style=RANK_COLORS[role.dcp_rank % len(RANK_COLORS)]),
                 heads,
-                device,
-            )
+            ]
+            if placed is not None:
+                share = placed[0].rank(role.rank)
+                cells += [
+                    placement_view.q_heads_cell(share),
+                    placement_view.o_slice_cell(placed[0], share),
+                    format_bytes(weights[role.rank]),
+                ]
+            ranks.add_row(*cells, device)
         console.print(ranks)
-        console.print(f"TP groups: {layout.tp_groups()}   DCP groups: {layout.dcp_groups()}")
+        groups = f"TP groups: {layout.tp_groups()}   DCP groups: {layout.dcp_groups()}"
+        if layout.q_span > 1 and placed is not None and placed[0].rank(0).gather_queries:
+            groups += f"   query groups: {layout.query_groups()}"
+        console.print(groups)
+        if placed is not None:
+            console.print(placement_view.dense_groups(placed[0]))
+            console.print(placement_view.collectives_table(*placed))
+            for note in placed[0].notes():
+                console.print(Text.assemble(("note ", "dim"), note), soft_wrap=True)
     else:
         console.print("[yellow]rank table needs the model's head counts (model folder absent or plan invalid)[/]")
     if res.kv is not None:
         kv = res.kv
+        placed = placement_view.resolved_placement(res) if layout is not None else None
+        if placed is not None:
+            weights = format_bytes(max(placement_view.weights_per_rank(*placed)))
+            console.print(f"memory per rank: weights {weights} + KV {format_bytes(kv.bytes_per_rank)}")
         console.print(
             f"KV cache per rank: {format_bytes(kv.bytes_per_rank)} = {kv.num_blocks} blocks x "
             f"{kv.block_size} tokens x {kv.bytes_per_token} B/token; holds {kv.tokens_per_rank} tokens "

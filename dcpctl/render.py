@@ -19,6 +19,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from dcpctl.placement_view import resolved_placement, weights_cell
 from engine.errors import UserError
 from engine.plan.kv_sizing import format_bytes
 from engine.plan.resolved import ResolvedPlan
@@ -38,11 +39,28 @@ def _kv_cell(resolved: ResolvedPlan | None) -> str:
     return f"{format_bytes(resolved.kv.bytes_per_rank)} / {resolved.kv.tokens_per_rank} tok"
 
 
+def _weights_cell(resolved: ResolvedPlan | None) -> str:
+    placed = resolved_placement(resolved)
+    return weights_cell(*placed) if placed is not None else "-"
+
+
 def render_validation(console: Console, checks: list[PlanCheck]) -> None:
     """The validation table, then every error, warning and note under it."""
     table = Table(title="Plan validation", header_style="bold")
-    for column in ("plan", "world", "tp", "dcp", "interleave", "block", "KV per rank", "status"):
-        table.add_column(column, justify="left" if column in ("plan", "status", "KV per rank") else "right")
+    columns = (
+        "plan",
+        "world",
+        "tp",
+        "dcp",
+        "interleave",
+        "block",
+        "dense",
+        "weights per rank",
+        "KV per rank",
+        "status",
+    )
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("plan", "status", "dense", "KV per rank") else "right")
     for c in checks:
         res = c.resolved
         p = res.plan.parallel if res else None
@@ -55,6 +73,8 @@ def render_validation(console: Console, checks: list[PlanCheck]) -> None:
             str(p.dcp if p else "?"),
             str(p.interleave if p else "?"),
             str(res.plan.cache.block_size if res else "?"),
+            f"{p.dense}/{p.dcp_comm_backend}" if p else "?",
+            _weights_cell(res),
             _kv_cell(res),
             status,
         )

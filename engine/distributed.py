@@ -1,7 +1,8 @@
 """Process groups of a plan's layout and the collectives the layers use.
 
 One module-level `ParallelContext` (set once per process by `init_parallel`) tells the layers
-their TP and DCP groups; model code stays free of rank arithmetic. With a world of one every
+their groups and, from the plan's dense placement (engine.placement), the slice of each module
+they hold (`Shard`); model code stays free of rank arithmetic. With a world of one every
 collective is skipped. Each group's tensor collectives go through a `GroupComm` (engine.group_comm):
 torch.distributed, gloo on CPU and NCCL plus a gloo group for host metadata (the per-step plans rank 0
 broadcasts) on CUDA; with `launch.cpu_comm` resolved to shm, a shared-memory segment per group instead
@@ -21,6 +22,7 @@ from engine import shm_comm
 from engine.errors import UserError
 from engine.group_comm import GroupComm
 from engine.parallel_layout import ParallelLayout, RankRole
+from engine.placement.split import DensePlacement, RankPlacement, Split
 
 # Collectives between ranks that compute: a dead or stuck rank surfaces as an error, not a hang.
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("DCPCTL_COLLECTIVE_TIMEOUT", "300"))
@@ -28,18 +30,39 @@ COLLECTIVE_TIMEOUT_S = float(os.environ.get("DCPCTL_COLLECTIVE_TIMEOUT", "300"))
 CONTROL_TIMEOUT_S = 7 * 24 * 3600.0
 
 
+@dataclass(frozen=True)
+class Shard:
+    """This rank's slice of one layer dimension (`split`, from the placement) and the group that sums the partial
+    outputs (None when it has one rank)."""
+
+    split: Split
+    group: dist.ProcessGroup | None
+
+    @property
+    def parts(self) -> int:
+        return self.split.parts
+
+    @property
+    def index(self) -> int:
+        return self.split.index
+
+
 @dataclass
 class ParallelContext:
-    """This rank's place in the layout and its process groups (None when the group has one rank)."""
+    """This rank's place in the layout, its share of the dense placement and its process groups (None when the
+    group has one rank)."""
 
     layout: ParallelLayout
     rank: int
     local_rank: int
     device: torch.device
     role: RankRole
+    placement: RankPlacement
+    comm_backend: str  # the DCP combine: ag_rs | a2a
     tp_group: dist.ProcessGroup | None = None
     dcp_group: dist.ProcessGroup | None = None
     query_group: dist.ProcessGroup | None = None
+    world_group: dist.ProcessGroup | None = None  # the device backend over all ranks: dense layers split over them
     control_group: dist.ProcessGroup | None = None  # gloo, all ranks: step plans
     collectives: str = ""  # what carries the tensor collectives, for the start-up line
 
@@ -64,22 +87,22 @@ class ParallelContext:
         return self.role.dcp_rank
 
     @property
-    def q_span(self) -> int:
-        return self.layout.q_span
-
-    @property
-    def q_rank(self) -> int:
-        """Index of this rank's query heads inside its DCP group's gathered heads."""
-        return self.role.tp_rank % self.layout.q_span
-
-    @property
     def is_driver(self) -> bool:
         return self.rank == 0
 
     @property
     def computes_logits(self) -> bool:
-        """Only replica 0's TP group runs the LM head (rank 0 samples from its output)."""
-        return self.role.replica == 0
+        """Whether this rank runs the LM head: the ranks its vocabulary is split over (rank 0 samples)."""
+        return self.placement.computes_logits
+
+    @property
+    def tp_shard(self) -> Shard:
+        """This rank's TP slice (the layers' default)."""
+        return Shard(Split("tp", self.tp_size, self.tp_rank), self.tp_group)
+
+    def shard(self, split: Split) -> Shard:
+        """The slice `split` of a layer on this rank, with the process group of its split."""
+        return Shard(split, self.world_group if split.group == "world" else self.tp_group)
 
 
 _CONTEXT: ParallelContext | None = None
@@ -97,9 +120,18 @@ def set_parallel(context: ParallelContext) -> None:
     _CONTEXT = context
 
 
-def init_single(layout: ParallelLayout, device: torch.device) -> ParallelContext:
+def init_single(placement: DensePlacement, device: torch.device) -> ParallelContext:
     """Context for a one-rank world: no process group at all."""
-    context = ParallelContext(layout=layout, rank=0, local_rank=0, device=device, role=layout.role(0))
+    layout = placement.layout
+    context = ParallelContext(
+        layout=layout,
+        rank=0,
+        local_rank=0,
+        device=device,
+        role=layout.role(0),
+        placement=placement.rank(0),
+        comm_backend=placement.comm_backend,
+    )
     set_parallel(context)
     return context
 
@@ -115,13 +147,18 @@ def _groups(layout_groups: list[list[int]], rank: int, backend: str, timeout: da
 
 
 def init_parallel(
-    layout: ParallelLayout, device_type: str, dist_backend: str, cpu_comm: str = "gloo", cpu_comm_strict: bool = False
+    placement: DensePlacement,
+    device_type: str,
+    dist_backend: str,
+    cpu_comm: str = "gloo",
+    cpu_comm_strict: bool = False,
 ) -> ParallelContext:
     """Join the torchrun world (env:// rendezvous) and build the layout's groups for this rank.
 
     `cpu_comm`: "shm" gives the groups shared-memory collectives (a CPU world on one node); where a group cannot
     have them it keeps gloo with a reason in `collectives`, or, `cpu_comm_strict`, a UserError.
     """
+    layout = placement.layout
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -135,14 +172,25 @@ def init_parallel(
     backend = dist_backend if dist_backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     dist.init_process_group(backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None)
-    context = ParallelContext(layout=layout, rank=rank, local_rank=local_rank, device=device, role=layout.role(rank))
+    context = ParallelContext(
+        layout=layout,
+        rank=rank,
+        local_rank=local_rank,
+        device=device,
+        role=layout.role(rank),
+        placement=placement.rank(rank),
+        comm_backend=placement.comm_backend,
+    )
     context.tp_group = _groups(layout.tp_groups(), rank, backend, timeout)
     context.dcp_group = _groups(layout.dcp_groups(), rank, backend, timeout)
     context.query_group = _groups(layout.query_groups(), rank, backend, timeout)
+    context.world_group = dist.group.WORLD if world > 1 else None
+    if context.dcp_group is not None and dist.get_group_rank(context.dcp_group, rank) != context.dcp_rank:
+        raise RuntimeError(f"rank {rank}: its DCP group orders it {dist.get_group_rank(context.dcp_group, rank)}")
     context.control_group = dist.new_group(
         list(range(world)), backend="gloo", timeout=datetime.timedelta(seconds=CONTROL_TIMEOUT_S)
     )
-    groups = [context.tp_group, context.dcp_group, context.query_group]
+    groups = [context.tp_group, context.dcp_group, context.query_group, context.world_group]
     context.collectives = backend
     if backend == "gloo" and cpu_comm == "shm":
         context.collectives = use_shared_memory(groups, cpu_comm_strict)

@@ -168,9 +168,8 @@ def test_poisson_arrivals_are_seeded_with_the_right_rate():
 
 def test_roofline_math_on_known_numbers():
     r = decode_roofline(
-        weight_bytes=1e8,
+        weight_bytes_per_rank=1e8,
         kv_bytes_per_token=1000,
-        tp=1,
         dcp=2,
         ranks_per_memory=2,
         batch=8,
@@ -183,9 +182,8 @@ def test_roofline_math_on_known_numbers():
     assert r.limit_s == pytest.approx(0.0102)
     assert r.fraction == pytest.approx(0.5)
     tp2 = decode_roofline(
-        weight_bytes=1e8,
+        weight_bytes_per_rank=5e7,
         kv_bytes_per_token=1000,
-        tp=2,
         dcp=1,
         ranks_per_memory=1,
         batch=1,

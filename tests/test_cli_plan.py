@@ -90,3 +90,33 @@ def test_show_invalid_plan_exits_1(make_plan, llama_folder):
     result = runner.invoke(app, ["plan", "show", str(path)])
     assert result.exit_code == 1
     assert "does not divide cache.block_size" in " ".join(result.output.split())
+
+
+def test_show_and_validate_report_the_sharded_placement(make_plan, tmp_path):
+    folder = write_config(tmp_path / "kv2", num_key_value_heads=2)
+    path = make_plan(
+        f"model: {{path: {folder}}}\nparallel: {{dcp: 2, dense: sharded, dcp_comm_backend: a2a}}\n"
+        "cache: {block_size: 4, memory: 1MiB}\nlaunch: {device: cpu}\n"
+    )
+    result = runner.invoke(app, ["plan", "show", str(path), "--positions", "8"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "dense placement: sharded over the world (2 ranks): o_proj, mlp, embedding and LM head split 2 ways" in out
+    assert "TensorRT-LLM cp_config.cp_type: HELIX). DCP combine: a2a." in out
+    assert "Collectives per decode step: 8" in out  # 2 layers x (a2a + o_proj + mlp) + embedding + lm head gather
+    assert "memory per rank: weights" in out
+    assert "dense groups: o_proj over world [0, 1]; mlp over world [0, 1]; embedding/LM head over world [0, 1]" in out
+    result = runner.invoke(app, ["plan", "validate", "--json", str(path)])
+    (report,) = json.loads(result.output)
+    placement = report["placement"]
+    assert placement["sharded"] and placement["dcp_comm_backend"] == "a2a"
+    assert [c["op"] for c in placement["collectives"]] == [
+        "all_to_all",
+        "all_reduce",
+        "all_reduce",
+        "all_reduce",
+        "gather",
+    ]
+    replicated = runner.invoke(app, ["plan", "validate", "--json", str(path), "parallel.dense=replicated"])
+    (base,) = json.loads(replicated.output)
+    assert max(placement["weight_bytes_per_rank"]) < max(base["placement"]["weight_bytes_per_rank"])

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from engine.placement.weights import weight_bytes
 from engine.plan.checks import validate_plan_file
 from tests.oracle import LOGPROB_TOL, hf_greedy, prompt_ids, read_jsonl, write_plan
 
@@ -23,8 +24,16 @@ LENGTHS = [1, 3, 31, 33, 47, 100, 130]
 NEW_TOKENS = 24
 
 MLA = ("deepseek_v2", {})
+MLA2 = ("deepseek_v2", {"num_heads": 2})  # 2 heads cannot be merged whole over dcp 4: o_proj stays on tp
 KV1 = ("llama", {"num_kv_heads": 1})
 KV2 = ("llama", {"num_kv_heads": 2})
+KV2_6x16 = (
+    "llama",
+    {"num_kv_heads": 2, "num_heads": 6, "head_dim": 16, "hidden_size": 96},
+)  # slices of 24 columns cut heads
+KV2_I126 = ("llama", {"num_kv_heads": 2, "intermediate_size": 126})  # 126 % 4: the MLP stays on tp
+SHARDED = {"parallel.dense": "sharded"}
+A2A = {"parallel.dcp_comm_backend": "a2a"}
 
 CASES = {
     # name: (model, settings)
@@ -76,6 +85,58 @@ CASES = {
         {"parallel.dcp": 2, "parallel.interleave": 4, "scheduler.max_num_batched_tokens": 24},
     ),
     "gqa2-tp2-dcp2-i16-replica": (KV2, {"parallel.tp": 2, "parallel.dcp": 2, "parallel.interleave": 16}),
+    # the dense placement (parallel.dense) and the all-to-all combine (issue 19)
+    "gqa2-tp1-dcp2-i4-sharded-a2a-chunked": (
+        KV2,
+        {**SHARDED, **A2A, "parallel.dcp": 2, "parallel.interleave": 4, "scheduler.max_num_batched_tokens": 24},
+    ),
+    "gqa2-tp1-dcp2-i1-sharded-ag_rs": (KV2, {**SHARDED, "parallel.dcp": 2}),
+    "gqa2-tp1-dcp2-i4-replicated-a2a-cpu-backend": (
+        KV2,
+        {**A2A, "parallel.dcp": 2, "parallel.interleave": 4, "attention.backend": "cpu"},
+    ),
+    "gqa2x6-tp1-dcp4-i2-sharded-a2a-chunked": (
+        KV2_6x16,
+        {**SHARDED, **A2A, "parallel.dcp": 4, "parallel.interleave": 2, "scheduler.max_num_batched_tokens": 24},
+    ),
+    "gqa1-tp2-dcp4-i16-sharded-ag_rs": (
+        KV1,
+        {**SHARDED, "parallel.tp": 2, "parallel.dcp": 4, "parallel.interleave": 16},
+    ),
+    "gqa1-tp2-dcp2-i1-a2a": (KV1, {**A2A, "parallel.tp": 2, "parallel.dcp": 2}),
+    "mla-tp1-dcp2-i2-sharded-a2a-chunked-cpu-backend": (
+        MLA,
+        {
+            **SHARDED,
+            **A2A,
+            "parallel.dcp": 2,
+            "parallel.interleave": 2,
+            "scheduler.max_num_batched_tokens": 24,
+            "attention.backend": "cpu",
+        },
+    ),
+    "mla-tp1-dcp4-i1-sharded-ag_rs": (MLA, {**SHARDED, "parallel.dcp": 4}),
+    # 320 B/token/rank: 40 KiB = 8 blocks of 16 per rank = 512 tokens over dcp 4, for 7 sequences of up to 154
+    "mla-tp2-dcp4-i16-sharded-a2a-preempt": (
+        MLA,
+        {
+            **SHARDED,
+            **A2A,
+            "parallel.tp": 2,
+            "parallel.dcp": 4,
+            "parallel.interleave": 16,
+            "cache.memory": "40KiB",
+            "model.max_model_len": 250,
+            "scheduler.max_num_batched_tokens": 64,
+        },
+    ),
+    "mla-tp2-dcp4-i16-replicated-a2a": (MLA, {**A2A, "parallel.tp": 2, "parallel.dcp": 4, "parallel.interleave": 16}),
+    "mla-tp2-dcp2-i16-b64-a2a": (
+        MLA,
+        {**A2A, "parallel.tp": 2, "parallel.dcp": 2, "parallel.interleave": 16, "cache.block_size": 64},
+    ),
+    "mla2-tp1-dcp4-sharded-a2a-o_proj-fallback": (MLA2, {**SHARDED, **A2A, "parallel.dcp": 4}),
+    "gqa2-tp1-dcp4-sharded-a2a-mlp-fallback": (KV2_I126, {**SHARDED, **A2A, "parallel.dcp": 4}),
 }
 
 
@@ -122,9 +183,13 @@ def test_layout_matches_hf_and_shards_cache(tmp_path, tiny_models, case):
         assert max(abs(a - b) for a, b in zip(ours, logprobs, strict=True)) < LOGPROB_TOL
 
     # every rank allocated exactly what `dcpctl plan show` reports, and the layout has the planned ranks
-    assert len(stats) == report.resolved.world_size
-    assert {s["kv_cache_bytes"] for s in stats} == {report.resolved.kv.bytes_per_rank}
-    assert sorted({s["dcp_rank"] for s in stats}) == list(range(report.resolved.plan.parallel.dcp))
+    res = report.resolved
+    assert len(stats) == res.world_size
+    assert {s["kv_cache_bytes"] for s in stats} == {res.kv.bytes_per_rank}
+    assert sorted({s["dcp_rank"] for s in stats}) == list(range(res.plan.parallel.dcp))
+    assert [s["weight_bytes"] for s in stats] == [weight_bytes(res.placement, s["rank"], 4) for s in stats]
+    if "fallback" in case:
+        assert res.placement.fallbacks and res.placement.fallbacks[0] in report.problems.notes
     if "preempt" in case:
         assert any(r["num_preemptions"] for r in records)
 

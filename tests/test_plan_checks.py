@@ -214,3 +214,50 @@ def test_cpu_comm_shm_needs_one_node_and_cpu(make_plan, llama_folder, monkeypatc
 def test_static_rules(make_plan, llama_folder, text, fragment):
     report = check(make_plan, f"model: {{path: {llama_folder}}}\n{text}")
     assert any(fragment in m for m in messages(report)), messages(report)
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        (
+            "parallel: {dense: shard}\n",
+            "parallel.dense='shard' is not one of replicated, sharded (did you mean 'sharded'?)",
+        ),
+        ("parallel: {dcp_comm_backend: a2 a}\n", "parallel.dcp_comm_backend='a2 a' is not one of ag_rs, a2a"),
+        (
+            "parallel: {dcp_comm_backend: fi_a2a}\n",
+            "parallel.dcp_comm_backend='fi_a2a' is SGLang's FlashInfer MNNVL kernel and is not supported; use a2a",
+        ),
+    ],
+)
+def test_dense_placement_and_comm_backend_choices(make_plan, llama_folder, text, fragment):
+    report = check(make_plan, f"model: {{path: {llama_folder}}}\n{text}")
+    assert any(fragment in m for m in messages(report)), messages(report)
+    assert report.resolved.placement is None
+
+
+def test_placement_notes_without_replicas_and_a2a_without_dcp(make_plan, llama_folder):
+    report = check(
+        make_plan,
+        f"model: {{path: {llama_folder}}}\nparallel: {{dense: sharded, dcp_comm_backend: a2a}}\n"
+        "launch: {device: cpu}\ncache: {memory: 1MiB}\n",
+    )
+    assert report.valid, messages(report)
+    assert report.resolved.placement is not None and not report.resolved.placement.sharded
+    assert "parallel.dcp_comm_backend=a2a has no effect with parallel.dcp=1" in report.problems.notes
+    assert any(n.startswith("parallel.dense=sharded: no replica ranks (dcp=1)") for n in report.problems.notes)
+
+
+def test_sharded_fallback_is_a_note_not_an_error(make_plan, tmp_path):
+    folder = write_config(tmp_path / "m", num_key_value_heads=2, intermediate_size=126)
+    report = check(
+        make_plan,
+        f"model: {{path: {folder}}}\nparallel: {{dcp: 4, dense: sharded}}\nlaunch: {{device: cpu}}\n"
+        "cache: {memory: 1MiB}\n",
+    )
+    assert report.valid, messages(report)
+    assert report.resolved.placement.sharded and report.resolved.placement.mlp.group == "tp"
+    assert (
+        "layers 0-1 mlp: not split over the 4 ranks (intermediate_size=126 % 4 != 0); split over tp=1 as with "
+        "parallel.dense=replicated" in report.problems.notes
+    )

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.placement.weights import weight_bytes
+from engine.plan.checks import validate_plan_file
 from tests.oracle import LOGPROB_TOL, hf_greedy, read_jsonl, write_plan
 from tests.test_dcp_equivalence import dcpctl_run
 
@@ -53,17 +55,21 @@ def test_single_rank_matches_hf(tmp_path, smollm2, block_size, backend):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("interleave", [1, 64])
-def test_tp1_dcp2_replicas_match_hf(tmp_path, smollm2, interleave):
-    plan = write_plan(
-        tmp_path,
-        smollm2,
-        {"parallel.dcp": 2, "parallel.interleave": interleave, "cache.block_size": 64, "cache.memory": "64MiB"},
-    )
+@pytest.mark.parametrize(
+    ("interleave", "dense", "comm"),
+    [(1, "replicated", "ag_rs"), (64, "replicated", "ag_rs"), (1, "sharded", "a2a"), (64, "sharded", "ag_rs")],
+)
+def test_tp1_dcp2_replicas_match_hf(tmp_path, smollm2, interleave, dense, comm):
+    settings = {"parallel.dcp": 2, "parallel.interleave": interleave, "cache.block_size": 64, "cache.memory": "64MiB"}
+    plan = write_plan(tmp_path, smollm2, {**settings, "parallel.dense": dense, "parallel.dcp_comm_backend": comm})
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     records, stats = dcpctl_run(plan, prompts_file, tmp_path / "out.jsonl", tmp_path / "stats", new_tokens=NEW_TOKENS)
     assert len(stats) == 2 and {s["dcp_rank"] for s in stats} == {0, 1}
+    placement = validate_plan_file(plan).require_valid().placement
+    assert [s["weight_bytes"] for s in stats] == [weight_bytes(placement, s["rank"], 4) for s in stats]
+    if dense == "sharded":  # o_proj, MLP and the tied embedding halved; q/k/v whole: 288.3 MiB of 513.1 MiB
+        assert all(287 * 2**20 < s["weight_bytes"] < 290 * 2**20 for s in stats)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2)

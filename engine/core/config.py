@@ -11,6 +11,7 @@ from engine.core.scheduler import SchedulerConfig
 from engine.errors import UserError
 from engine.kv_transfer.handles import KVRole
 from engine.parallel_layout import ParallelLayout
+from engine.placement.split import DensePlacement
 from engine.plan.kv_sizing import parse_memory
 from engine.plan.resolved import ResolvedPlan
 
@@ -22,6 +23,7 @@ class EngineConfig:
     model_path: Path
     model: ModelInfo
     layout: ParallelLayout
+    placement: DensePlacement
     dtype: str
     cache_dtype: str
     device: str
@@ -53,6 +55,7 @@ class EngineConfig:
             model_path=resolved.model_path,
             model=resolved.model,
             layout=resolved.layout,
+            placement=resolved.placement,
             dtype=resolved.dtype,
             cache_dtype=resolved.cache_dtype,
             device=resolved.device,

@@ -63,9 +63,11 @@ def start_rank(
     layout = config.layout
     device = torch.device("cuda" if config.device == "cuda" else "cpu")
     if layout.world_size == 1 and "RANK" not in os.environ:
-        par = init_single(layout, device)
+        par = init_single(config.placement, device)
     else:
-        par = init_parallel(layout, config.device, config.dist_backend, config.cpu_comm, config.cpu_comm_strict)
+        par = init_parallel(
+            config.placement, config.device, config.dist_backend, config.cpu_comm, config.cpu_comm_strict
+        )
     _set_threads(config)
     if device.type == "cpu":
         reuse_freed_memory()
@@ -101,8 +103,8 @@ def start_rank(
 
 
 def _write_rank_stats(par: ParallelContext, runner: ModelRunner) -> None:
-    """With DCPCTL_RANK_STATS_DIR set, each rank records its KV cache allocation and what carries its collectives
-    (for tests and tooling)."""
+    """With DCPCTL_RANK_STATS_DIR set, each rank records its KV cache and weight allocations and what carries its
+    collectives (for tests and tooling)."""
     folder = os.environ.get("DCPCTL_RANK_STATS_DIR")
     if not folder:
         return
@@ -112,6 +114,7 @@ def _write_rank_stats(par: ParallelContext, runner: ModelRunner) -> None:
         "tp_rank": par.tp_rank,
         "dcp_rank": par.dcp_rank,
         "kv_cache_bytes": runner.kv_cache_bytes,
+        "weight_bytes": runner.weight_bytes,
         "kv_cache_shape": list(runner.kv_cache.shape),
         "num_blocks": runner.cache_layout.num_blocks,
         "collectives": par.collectives,

@@ -1,8 +1,11 @@
-"""The paged, DCP-aware attention layer: write this rank's tokens to the cache, then attend.
+"""The paged, DCP-aware attention layer: write this rank's tokens to the cache, attend, return this rank's columns.
 
-Prefill chunks attend causally to their own new tokens (all in hand) and, when they have cached
-context, to that context through the DCP path; the two parts merge by LSE. Decoding tokens are
-already in the cache (written first) and attend to it through the DCP path.
+The layer returns the columns of the attention output that the plan's placement gives this rank (engine.placement):
+its own heads, or with the sharded placement a 1/dcp slice of its DCP group's heads (which may cut through a head).
+Prefill chunks attend causally to their own new tokens (all in hand), computing only the heads that overlap the
+rank's columns, and, when they have cached context, to that context through the DCP path; the two parts merge by
+LSE, column by column. Decoding tokens are already in the cache (written first) and attend to it through the DCP
+path.
 """
 
 from __future__ import annotations
@@ -11,54 +14,84 @@ import torch
 from torch import nn
 
 from engine.attention.backend import current_metadata
-from engine.attention.dcp_combine import attend_cache, merge_attention
+from engine.attention.dcp_combine import CombineSpec, attend_cache, merge_attention
 from engine.distributed import get_parallel
 
 
 class PagedAttention(nn.Module):
-    """Attention of this rank's query heads. q [N, H, Dk], k [N, Hkv, Dk], v [N, Hkv, Dv] (MLA: v = k[..., :Dv])."""
+    """Attention of the rank's query heads. q [N, Hq, Dk], k [N, Hkv, Dk], v [N, Hkv, Dv] (MLA: v = k[..., :Dv]);
+    returns [N, W], the rank's merged columns. `heads_per_kv`: query heads per KV head in the whole model."""
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, key_dim: int, value_dim: int, scale: float, value_in_key: bool = False
+        self,
+        num_kv_heads: int,
+        key_dim: int,
+        value_dim: int,
+        scale: float,
+        heads_per_kv: int,
+        value_in_key: bool = False,
     ):
         super().__init__()
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.key_dim, self.value_dim = key_dim, value_dim
+        par = get_parallel()
+        share = par.placement
+        self.num_kv_heads, self.key_dim, self.value_dim = num_kv_heads, key_dim, value_dim
         self.scale = scale
         self.value_in_key = value_in_key
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None  # None for MLA: values live inside the key cache
+        self.spec = CombineSpec(par, par.device)
+        self.width = share.merge_width
+        # prefill of new tokens: only the heads overlapping this rank's columns, then those columns
+        heads, columns = share.merge_heads, share.merge_columns
+        self.new_heads = slice(heads.start - share.q_heads.start, heads.stop - share.q_heads.start)
+        self.new_columns = slice(columns.start - heads.start * value_dim, columns.stop - heads.start * value_dim)
+        self.new_kv, self.new_kv_index = _kv_heads_of(heads, heads_per_kv, par.role.kv_head_start, par.device)
+        self.new_head_of_col = torch.arange(columns.start, columns.stop, device=par.device) // value_dim - heads.start
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         md = current_metadata()
-        backend, par = md.backend, get_parallel()
+        backend = md.backend
         backend.write_cache(k, None if self.value_in_key else v, self.key_cache, self.value_cache, md)
         prefill_tokens = md.num_prefill_tokens
         decoded = None
         if md.decode is not None:
             decoded, _ = attend_cache(
-                backend,
-                par,
-                q[prefill_tokens:],
-                self.key_cache,
-                self.value_cache,
-                self.value_dim,
-                md.decode,
-                self.scale,
+                backend, self.spec, q[prefill_tokens:], self.key_cache, self.value_cache, md.decode, self.scale, False
             )
         if md.prefill is None:  # a decode-only step: no copy into a joint output
             return decoded
-        out = q.new_empty(q.shape[0], self.num_heads, self.value_dim)
-        qp = q[:prefill_tokens]
-        o, lse = backend.prefill_new(
-            qp, k[:prefill_tokens], v[:prefill_tokens], md.prefill, self.scale, need_lse=md.prefill_context is not None
-        )
-        if md.prefill_context is not None:
-            oc, lse_c = attend_cache(
-                backend, par, qp, self.key_cache, self.value_cache, self.value_dim, md.prefill_context, self.scale
-            )
-            o, _ = merge_attention(o, lse, oc, lse_c)
-        out[:prefill_tokens] = o
+        out = q.new_empty(q.shape[0], self.width)
+        out[:prefill_tokens] = self._prefill(q[:prefill_tokens], k[:prefill_tokens], v[:prefill_tokens], md)
         if decoded is not None:
             out[prefill_tokens:] = decoded
         return out
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md) -> torch.Tensor:
+        backend = md.backend
+        context = md.prefill_context is not None
+        if self.new_kv_index is not None:
+            k, v = k.index_select(1, self.new_kv_index), v.index_select(1, self.new_kv_index)
+        else:
+            k, v = k[:, self.new_kv], v[:, self.new_kv]
+        o, lse = backend.prefill_new(q[:, self.new_heads], k, v, md.prefill, self.scale, need_lse=context)
+        o = o.reshape(o.shape[0], -1)[:, self.new_columns]
+        if not context:
+            return o
+        oc, lse_c = attend_cache(
+            backend, self.spec, q, self.key_cache, self.value_cache, md.prefill_context, self.scale, True
+        )
+        merged, _ = merge_attention(o.unsqueeze(-1), lse.index_select(1, self.new_head_of_col), oc.unsqueeze(-1), lse_c)
+        return merged.squeeze(-1)
+
+
+def _kv_heads_of(
+    heads: range, heads_per_kv: int, kv_start: int, device: torch.device
+) -> tuple[slice, torch.Tensor | None]:
+    """The local KV heads the query heads `heads` read: a slice when the heads cover whole KV groups (or share one
+    KV head), else (a GQA slice cutting a group) an index with one KV head per query head."""
+    first, last = heads.start // heads_per_kv, (heads.stop - 1) // heads_per_kv
+    whole = heads.start % heads_per_kv == 0 and heads.stop % heads_per_kv == 0
+    if whole or first == last:
+        return slice(first - kv_start, last + 1 - kv_start), None
+    index = torch.tensor([h // heads_per_kv - kv_start for h in heads], device=device)
+    return slice(None), index

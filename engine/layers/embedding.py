@@ -1,4 +1,5 @@
-"""Vocab-parallel token embedding and LM head: each TP rank holds a contiguous slice of the vocabulary."""
+"""Vocab-parallel token embedding and LM head: each rank of the vocabulary's shard (the TP group, or the whole world
+with the sharded dense placement) holds a contiguous slice of the vocabulary."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.checkpoints.weights import CheckpointTensor, copy_into
-from engine.distributed import all_reduce, gather_to_first, get_parallel
+from engine.distributed import Shard, all_reduce, gather_to_first, get_parallel
 from engine.kernels.cpu_gemm import PackableLinear
 from engine.layers.linear import attach_loader
 
@@ -15,14 +16,13 @@ from engine.layers.linear import attach_loader
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, end) of the embedding on this rank (the last shard padded with zeros)."""
 
-    def __init__(self, vocab_size: int, hidden: int):
+    def __init__(self, vocab_size: int, hidden: int, shard: Shard | None = None):
         super().__init__()
-        par = get_parallel()
+        shard = shard or get_parallel().tp_shard
         self.vocab_size = vocab_size
-        self.tp_size, self.group = par.tp_size, par.tp_group
-        self.per_rank = -(-vocab_size // self.tp_size)
-        self.start = par.tp_rank * self.per_rank
-        self.end = min(vocab_size, self.start + self.per_rank)
+        self.parts, self.group = shard.parts, shard.group
+        self.per_rank, rows = shard.split.padded(vocab_size)
+        self.start, self.end = rows.start, rows.stop
         self.weight = attach_loader(nn.Parameter(torch.empty(self.per_rank, hidden), requires_grad=False), self._load)
 
     def _load(self, param: nn.Parameter, tensor: CheckpointTensor, shard_id=None) -> None:
@@ -31,7 +31,7 @@ class VocabParallelEmbedding(nn.Module):
         copy_into(param.data.narrow(0, 0, rows), tensor.narrow(0, self.start, rows), tensor.name)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
+        if self.parts == 1:
             return F.embedding(ids, self.weight)
         inside = (ids >= self.start) & (ids < self.end)
         out = F.embedding((ids - self.start) * inside, self.weight) * inside.unsqueeze(-1)
@@ -39,7 +39,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(PackableLinear):
-    """Logits over this rank's vocabulary slice, gathered whole on the TP group's first rank."""
+    """Logits over this rank's vocabulary slice, gathered whole on the first rank of the vocabulary's shard."""
 
     def __init__(self, embedding: VocabParallelEmbedding, tied: bool):
         super().__init__()
@@ -53,7 +53,7 @@ class ParallelLMHead(PackableLinear):
             )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Full-vocabulary fp32 logits on the TP group's first rank, None on the others."""
+        """Full-vocabulary fp32 logits on the shard's first rank (global rank 0), None on the others."""
         local = self.project(hidden).float()
         parts = gather_to_first(local, self.group)
         if parts is None:

@@ -1,4 +1,5 @@
-"""Mixture-of-experts: a replicated fp32 router and experts split over TP on their intermediate dim."""
+"""Mixture-of-experts: a replicated fp32 router and experts split on their intermediate dim over a shard's ranks (the
+TP group, or the whole world with the sharded dense placement)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.checkpoints.weights import CheckpointTensor, copy_into
-from engine.distributed import get_parallel
+from engine.distributed import Shard, get_parallel
 from engine.layers.activation import silu_and_mul
 from engine.layers.linear import attach_loader
 
@@ -40,13 +41,13 @@ class TopKRouter(nn.Module):
 
 
 class Experts(nn.Module):
-    """All experts' gate/up [E, 2 * I/tp, H] and down [E, H, I/tp] weights; partial (un-reduced) output."""
+    """All experts' gate/up [E, 2 * I/parts, H] and down [E, H, I/parts] weights; partial (un-reduced) output."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, shard: Shard | None = None):
         super().__init__()
-        par = get_parallel()
-        self.tp_size, self.tp_rank = par.tp_size, par.tp_rank
-        self.local = intermediate // self.tp_size
+        shard = shard or get_parallel().tp_shard
+        self.parts, self.index = shard.parts, shard.index
+        self.local = intermediate // self.parts
         self.w13 = attach_loader(
             nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden), requires_grad=False), self._load_w13
         )
@@ -60,22 +61,22 @@ class Experts(nn.Module):
             for half in (0, 1):
                 copy_into(
                     param.data[:, half * self.local : (half + 1) * self.local],
-                    tensor.narrow(1, half * rows + self.tp_rank * self.local, self.local),
+                    tensor.narrow(1, half * rows + self.index * self.local, self.local),
                     tensor.name,
                 )
             return
         expert, half = shard_id
         copy_into(
             param.data[expert, half * self.local : (half + 1) * self.local],
-            tensor.chunk(0, self.tp_size, self.tp_rank),
+            tensor.chunk(0, self.parts, self.index),
             tensor.name,
         )
 
     def _load_w2(self, param, tensor: CheckpointTensor, shard_id) -> None:
         if shard_id == "fused":
-            copy_into(param, tensor.chunk(2, self.tp_size, self.tp_rank), tensor.name)
+            copy_into(param, tensor.chunk(2, self.parts, self.index), tensor.name)
             return
-        copy_into(param.data[shard_id], tensor.chunk(1, self.tp_size, self.tp_rank), tensor.name)
+        copy_into(param.data[shard_id], tensor.chunk(1, self.parts, self.index), tensor.name)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)

@@ -36,13 +36,13 @@ class CausalLM(nn.Module):
 
     def __init__(self, cfg, layers: list[nn.Module], rope: RotaryEmbedding):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        par = get_parallel()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, par.shard(par.placement.vocab))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(self.embed_tokens, tied=self.tied)
         self.rope = rope
-        self.computes_logits = get_parallel().computes_logits
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Final hidden states [N, hidden] of one step's tokens."""

@@ -7,6 +7,7 @@ import re
 import torch
 from torch import nn
 
+from engine.distributed import Shard, get_parallel
 from engine.errors import UserError
 from engine.layers.activation import silu_and_mul
 from engine.layers.attention import PagedAttention
@@ -18,14 +19,25 @@ from engine.models.base import CausalLM, DecoderLayer
 class LlamaAttention(nn.Module):
     def __init__(self, cfg, qkv_bias: bool):
         super().__init__()
+        par = get_parallel()
         heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, heads, kv_heads, bias=qkv_bias)
+        role = par.role
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size,
+            self.head_dim,
+            par.placement.q_heads,
+            range(role.kv_head_start, role.kv_head_start + role.kv_heads),
+            bias=qkv_bias,
+        )
         self.o_proj = RowParallelLinear(
-            heads * self.head_dim, cfg.hidden_size, bias=bool(getattr(cfg, "attention_bias", False))
+            heads * self.head_dim,
+            cfg.hidden_size,
+            bias=bool(getattr(cfg, "attention_bias", False)),
+            shard=par.shard(par.placement.o_proj),
         )
         self.attn = PagedAttention(
-            self.qkv_proj.q_local, self.qkv_proj.kv_local, self.head_dim, self.head_dim, self.head_dim**-0.5
+            self.qkv_proj.kv_local, self.head_dim, self.head_dim, self.head_dim**-0.5, heads // kv_heads
         )
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -42,10 +54,12 @@ class LlamaAttention(nn.Module):
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up merged; `reduce=False` leaves the TP sum to the caller."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False, reduce: bool = True):
+    def __init__(
+        self, hidden: int, intermediate: int, bias: bool = False, reduce: bool = True, shard: Shard | None = None
+    ):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias=bias)
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, reduce=reduce)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias=bias, shard=shard)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, reduce=reduce, shard=shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -84,10 +98,11 @@ class LlamaForCausalLM(CausalLM):
         if cfg.hidden_act != "silu":
             raise UserError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         mlp_bias = bool(getattr(cfg, "mlp_bias", False))
+        par = get_parallel()
         layers = [
             DecoderLayer(
                 LlamaAttention(cfg, qkv_bias),
-                GatedMLP(cfg.hidden_size, cfg.intermediate_size, mlp_bias),
+                GatedMLP(cfg.hidden_size, cfg.intermediate_size, mlp_bias, shard=par.shard(par.placement.mlp)),
                 cfg.hidden_size,
                 cfg.rms_norm_eps,
             )

@@ -67,6 +67,12 @@ class Split:
         return per, range(start, min(total, start + per))
 
 
+def slice_of(part: range, total: int) -> Split:
+    """The Split whose span of `total` is `part` (an equal slice of it, e.g. a rank's query heads)."""
+    size = len(part)
+    return Split("tp", total // size, part.start // size)
+
+
 @dataclass(frozen=True)
 class ModuleSplit:
     """How every rank splits one kind of dense module, and why it fell back from the sharded split (or None)."""

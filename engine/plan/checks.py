@@ -19,6 +19,7 @@ from engine.errors import UserError
 from engine.kernels import cpu_isa
 from engine.kernels.cpu_paths import CpuPaths, kernels_wanted
 from engine.parallel_layout import ParallelLayout, divisors, layout_problems
+from engine.placement.split import COMM_BACKENDS, DENSE_PLACEMENTS, DensePlacement
 from engine.plan.kv_sizing import format_bytes, kv_sizing, parse_memory
 from engine.plan.loader import LoadedPlan, PlanLoadError, load_plan
 from engine.plan.resolved import ResolvedPlan, model_not_found
@@ -63,6 +64,17 @@ def _check_static(problems: PlanProblems, res: ResolvedPlan) -> None:
     _choice(problems, "launch.device", lch.device, DEVICES)
     _choice(problems, "launch.dist_backend", lch.dist_backend, DIST_BACKENDS)
     _choice(problems, "launch.cpu_comm", lch.cpu_comm, CPU_COMMS)
+    _choice(problems, "parallel.dense", p.dense, DENSE_PLACEMENTS)
+    if p.dcp_comm_backend == "fi_a2a":
+        problems.error(
+            "parallel.dcp_comm_backend",
+            "parallel.dcp_comm_backend='fi_a2a' is SGLang's FlashInfer MNNVL kernel and is not supported; "
+            "use a2a (one all_to_all over the DCP group) or ag_rs",
+        )
+    else:
+        _choice(problems, "parallel.dcp_comm_backend", p.dcp_comm_backend, COMM_BACKENDS)
+    if p.dcp == 1 and p.dcp_comm_backend == "a2a":
+        problems.notes.append("parallel.dcp_comm_backend=a2a has no effect with parallel.dcp=1")
     if s.max_num_seqs < 1:
         problems.error("scheduler.max_num_seqs", f"scheduler.max_num_seqs={s.max_num_seqs} must be >= 1")
     if s.max_num_batched_tokens < 1:
@@ -217,6 +229,11 @@ def _check_model(problems: PlanProblems, res: ResolvedPlan, info: ModelInfo) -> 
         problems.error(key, message)
     if not bad_layout:
         res.layout = ParallelLayout.build(p.tp, p.dcp, info.num_heads, info.num_kv_heads, info.is_mla)
+        # a world beyond MAX_WORLD_SIZE is an error of its own (_check_devices); its ranks are not enumerated
+        choices = p.dense in DENSE_PLACEMENTS and p.dcp_comm_backend in COMM_BACKENDS
+        if choices and res.layout.world_size <= MAX_WORLD_SIZE:
+            res.placement = DensePlacement.build(res.layout, info, p.dense, p.dcp_comm_backend)
+            problems.notes.extend(res.placement.notes())
     for name, size in (
         ("intermediate_size", info.intermediate_size),
         ("moe_intermediate_size", info.moe_intermediate_size),

@@ -15,6 +15,7 @@ from pathlib import Path
 from engine.checkpoints.model_info import ModelInfo
 from engine.kernels.cpu_paths import CpuPaths
 from engine.parallel_layout import ParallelLayout
+from engine.placement.split import DensePlacement
 from engine.plan.kv_sizing import KVSizing
 from engine.plan.schema import DisaggSection, Plan
 
@@ -40,6 +41,7 @@ class ResolvedPlan:
     model: ModelInfo | None = None
     model_path: Path | None = None
     layout: ParallelLayout | None = None
+    placement: DensePlacement | None = None  # the dense layers' splits (parallel.dense, parallel.dcp_comm_backend)
     kv: KVSizing | None = None
     device: str = ""
     dtype: str = ""

@@ -121,6 +121,11 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters on this rank (a tied LM head counted once; packed copies not counted)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
     def _metadata(
         self, step: ScheduledStep, cu: torch.Tensor, tables: torch.Tensor, slots: torch.Tensor
     ) -> AttentionMetadata:

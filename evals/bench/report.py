@@ -122,6 +122,7 @@ ROWS: list[tuple[str, Getter, Callable[[float], str], bool]] = [
     ("ITL p99 (ms)", _ms(lambda m: m.itl, "p99"), lambda v: f"{v:.1f}", False),
     ("wall time (s)", _metric(lambda m: m.duration_s), lambda v: f"{v:.1f}", False),
     ("world size", lambda t: t.world_size, lambda v: f"{v:.0f}", False),
+    ("weights per rank", _roof(lambda r: r.weight_bytes_per_rank), lambda v: format_bytes(v), True),
     ("KV bytes per rank", lambda t: t.kv_bytes_per_rank, lambda v: format_bytes(v), True),
     ("KV token capacity ↑", lambda t: t.token_capacity, lambda v: f"{v:,.0f}", True),
     ("preemptions", lambda t: t.preemptions, lambda v: f"{v:.0f}", False),

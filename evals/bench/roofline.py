@@ -72,9 +72,8 @@ class Roofline:
 
 def decode_roofline(
     *,
-    weight_bytes: float,
+    weight_bytes_per_rank: float,
     kv_bytes_per_token: float,
-    tp: int,
     dcp: int,
     ranks_per_memory: int,
     batch: float,
@@ -82,10 +81,11 @@ def decode_roofline(
     bandwidth_bytes_s: float,
     measured_step_s: float,
 ) -> Roofline:
-    """The roofline of a layout: weights split over `tp` (approximately: replica ranks hold them whole), each
-    rank's KV per token (`kv_bytes_per_token`, already for its tp shard of the heads) split over `dcp`."""
+    """The roofline of a layout: the weights one rank holds (engine.placement.weights, exact for its dense
+    placement), each rank's KV per token (`kv_bytes_per_token`, already for its tp shard of the heads) split over
+    `dcp`."""
     return Roofline(
-        weight_bytes_per_rank=weight_bytes / tp,
+        weight_bytes_per_rank=weight_bytes_per_rank,
         kv_bytes_per_rank=batch * context_len * kv_bytes_per_token / dcp,
         ranks_per_memory=ranks_per_memory,
         bandwidth_bytes_s=bandwidth_bytes_s,

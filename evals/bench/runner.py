@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.checkpoints.model_info import dtype_bytes, read_model_info, weight_elements
 from engine.errors import UserError
+from engine.placement.weights import weight_bytes
 from engine.plan.resolved import ResolvedPlan
 from evals.bench.client import RequestRecord, RunResult, run_requests
 from evals.bench.metrics import compute_metrics
@@ -83,9 +84,8 @@ def _roofline(
     ctx: BenchContext,
     result: TargetBench,
     *,
-    dtype: str,
+    weight_bytes_per_rank: int,
     kv_bytes_per_token: int,
-    tp: int,
     dcp: int,
     ranks_per_memory: int,
     device: str,
@@ -97,9 +97,8 @@ def _roofline(
         return
     lens = ctx.workload.input_lens
     result.roofline = decode_roofline(
-        weight_bytes=weight_elements(ctx.model_path) * dtype_bytes(dtype),
+        weight_bytes_per_rank=weight_bytes_per_rank,
         kv_bytes_per_token=kv_bytes_per_token,
-        tp=tp,
         dcp=dcp,
         ranks_per_memory=ranks_per_memory,
         batch=batch or float(ctx.opts.max_batch),
@@ -151,9 +150,10 @@ def bench_target(target: Target, ctx: BenchContext, plan_dir: Path, keep_files: 
         _roofline(
             ctx,
             result,
-            dtype=resolved.dtype,
+            weight_bytes_per_rank=max(
+                weight_bytes(resolved.placement, r, dtype_bytes(resolved.dtype)) for r in range(resolved.world_size)
+            ),
             kv_bytes_per_token=resolved.kv.bytes_per_token,
-            tp=resolved.plan.parallel.tp,
             dcp=resolved.plan.parallel.dcp,
             ranks_per_memory=resolved.local_world_size if device == "cpu" else 1,
             device=device,
@@ -202,9 +202,8 @@ def bench_hf(ctx: BenchContext, first_plan: ResolvedPlan | None, feed: TargetFee
     _roofline(
         ctx,
         result,
-        dtype=dtype,
+        weight_bytes_per_rank=weight_elements(ctx.model_path) * dtype_bytes(dtype),
         kv_bytes_per_token=info.kv_bytes_per_token(1, dtype_bytes(dtype)),
-        tp=1,
         dcp=1,
         ranks_per_memory=1,
         device=device_kind(device),
