@@ -53,10 +53,10 @@ def no_pulled_models(tmp_path, monkeypatch):
     monkeypatch.setenv("DCPCTL_CACHE", str(tmp_path / "models"))
 
 
-def _by_layout(result, tp, dcp, interleave=None):
+def _by_layout(result, tp, dcp, interleave=None, dense="replicated"):
     for c in result.accepted:
         p = c.plan.parallel
-        if (p.tp, p.dcp) == (tp, dcp) and interleave in (None, p.interleave):
+        if (p.tp, p.dcp, p.dense) == (tp, dcp, dense) and interleave in (None, p.interleave):
             return c
     raise AssertionError(f"tp{tp} dcp{dcp} not accepted")
 
@@ -85,12 +85,19 @@ def test_deepseek_v2_lite_on_8_h200_at_128k(tmp_path, monkeypatch, no_pulled_mod
     assert replica.check.resolved.kv.token_capacity < best.check.resolved.kv.token_capacity
     assert not capacity.rejected  # MLA: every tp / dcp of 8 devices is a valid layout
 
-    # latency among the 8-rank engines: tp8 dcp8 reads the fewest bytes per step (weights / 8 and KV / 8)
+    # latency among the 8-rank engines: tp8 dcp8 reads the fewest bytes per step (weights / 8 and KV / 8), but the
+    # Helix placement (dense layers sharded over 8 replica ranks) wins: it repeats only the small QKV projections
+    # and needs no query all-gather, so it spends less time in collectives
     latency = suggest(Request(model, cluster, CONTEXT_128K, 16, objective="latency"))
     eight = [c for c in latency.accepted if c.check.resolved.world_size == 8]
-    assert (eight[0].plan.parallel.tp, eight[0].plan.parallel.dcp) == (8, 8)
-    assert eight[0].step.bytes_read == min(c.step.bytes_read for c in eight)
-    assert eight[0].step.bound == "memory"
+    tp8 = _by_layout(latency, 8, 8)
+    assert tp8.step.bytes_read == min(c.step.bytes_read for c in eight)
+    assert eight[0].plan.parallel.dense == "sharded" and eight[0].plan.parallel.dcp == 8
+    assert eight[0].step.comm_s < tp8.step.comm_s
+    assert not any(c.where == "attention: query gather" for c in eight[0].step.collectives)
+    assert eight[0].step.bound == tp8.step.bound == "memory"
+    replicated = [c for c in eight if c.plan.parallel.dense == "replicated"]
+    assert (replicated[0].plan.parallel.tp, replicated[0].plan.parallel.dcp) == (8, 8)
     assert [c.step.seconds for c in latency.accepted] == sorted(c.step.seconds for c in latency.accepted)
 
     # every suggestion is a plan `plan validate` accepts unchanged, on a machine with the 8 GPUs it names
@@ -121,11 +128,19 @@ def test_smollm2_on_cpu_orders_by_shared_memory(no_pulled_models):
     assert two.step.bytes_read > one.step.bytes_read
     assert sum(c.count for c in two.step.collectives) == 2 * model.info.num_layers
     assert not one.step.collectives
+    # the Helix placement splits the dense layers over both ranks: each reads about half the weights
+    sharded = _by_layout(latency, 1, 2, 1, dense="sharded")
+    assert sharded.weight_bytes_per_rank < 0.6 * one.weight_bytes_per_rank
+    assert sharded.step.bytes_read < two.step.bytes_read
 
     # capacity: on a shared memory the replica's second copy of the weights costs KV room ...
     capacity = suggest(Request(model, cluster, 2048, 8, objective="capacity"))
     assert capacity.accepted[0] is not None
-    cap = {c.plan.parallel.dcp: c.check.resolved.kv.token_capacity for c in capacity.accepted}
+    cap = {
+        c.plan.parallel.dcp: c.check.resolved.kv.token_capacity
+        for c in capacity.accepted
+        if c.plan.parallel.dense == "replicated"
+    }
     assert cap[1] > cap[2]
     # ... while at a fixed KV budget per rank (the shipped CPU plans' 1GiB) dcp 2 holds exactly twice the tokens
     fixed = suggest(Request(model, cluster, 2048, 8, kv_memory=GiB, objective="capacity"))

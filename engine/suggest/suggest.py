@@ -9,7 +9,6 @@ weights (`--kv-memory` fixes it); a suggestion writes it in bytes, so the engine
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from engine.placement.weights import weight_bytes
 from engine.plan.checks import check_plan
 from engine.plan.kv_sizing import format_bytes
 from engine.plan.loader import LoadedPlan, plan_to_dict
-from engine.plan.schema import DTYPES, ParallelSection, Plan
+from engine.plan.schema import DTYPES, Plan
 from engine.plan.validation import PlanCheck
 from engine.suggest.figures import Cluster, DecodeStep, decode_step
 from engine.suggest.models import PlannedModel
@@ -34,7 +33,6 @@ from engine.suggest.models import PlannedModel
 OBJECTIVES = ("capacity", "latency", "throughput")
 MEMORY_FRACTION = 0.9  # of a device's memory for weights + KV; the rest for activations and the runtime
 MULTI_NODE_PORT = 29500  # launch.master_port a multi-node plan needs (the same on every node; edit to taste)
-_SCHEMA_PARALLEL = {f.name for f in dataclasses.fields(ParallelSection)}
 
 
 @dataclass(frozen=True)
@@ -123,11 +121,6 @@ def _ranking(objective: str, c: Candidate) -> tuple:
     return (not c.serves_concurrency, -c.tokens_per_s, c.step.seconds, *simpler)
 
 
-def _dense_choices() -> tuple[str, ...]:
-    """The dense placements a plan can name: the schema's parallel.dense (once it has it), else replicated."""
-    return DENSE_PLACEMENTS if "dense" in _SCHEMA_PARALLEL else ("replicated",)
-
-
 def _plan(req: Request, tp: int, dcp: int, interleave: int, dense: str, memory: str, nnodes: int) -> Plan:
     model = req.model
     stem = Path(model.plan_path).name.lower().replace(".", "_")
@@ -139,8 +132,7 @@ def _plan(req: Request, tp: int, dcp: int, interleave: int, dense: str, memory: 
     plan.model.dtype = req.dtype
     plan.model.max_model_len = req.context
     plan.parallel.tp, plan.parallel.dcp, plan.parallel.interleave = tp, dcp, interleave
-    if "dense" in _SCHEMA_PARALLEL:
-        plan.parallel.dense = dense
+    plan.parallel.dense = dense
     plan.cache.block_size = req.block_size
     plan.cache.memory = memory
     plan.scheduler.max_num_seqs = req.concurrency
@@ -220,7 +212,7 @@ def _grid(req: Request) -> list[tuple[int, int, int, str]]:
         for dcp in sorted(set(divisors(rep * total // tp)) | set(divisors(total))):
             interleaves = (1,) if dcp == 1 else sorted({1, block})
             for interleave in interleaves:
-                for dense in _dense_choices():
+                for dense in DENSE_PLACEMENTS:
                     combos.append((tp, dcp, interleave, dense))
     return combos
 
