@@ -30,8 +30,8 @@ import dataclasses, math, os
 if os.environ.get("RANK", "0") == "0":
     from engine.core.engine import LLMEngine
     _add = LLMEngine.add_request
-    def add_request(self, prompt, params, request_id=None):
-        seq = _add(self, prompt, params, request_id)
+    def add_request(self, prompt, params, request_id=None, **options):
+        seq = _add(self, prompt, params, request_id, **options)
         if {POISON_ID} in params.stop_token_ids:  # past validation: the sampler meets it
             seq.params = dataclasses.replace(params, temperature=math.nan)
         return seq
@@ -147,8 +147,8 @@ def test_a_poisoned_request_among_concurrent_streams(tmp_path, llm, monkeypatch)
     served = serve(write_plan(tmp_path, Path(llm.engine.config.model_path)))
     add = served.engine.add_request
 
-    def add_request(prompt, params, request_id=None):
-        seq = add(prompt, params, request_id)
+    def add_request(prompt, params, request_id=None, **options):
+        seq = add(prompt, params, request_id, **options)
         if POISON_ID in params.stop_token_ids:
             seq.params.temperature = math.nan
         return seq
