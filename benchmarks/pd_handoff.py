@@ -13,6 +13,7 @@ cache hit on either side). Prints a markdown table (best-of-N and median) and wr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -23,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from engine.kernels import cpu_isa
-from evals.launch import PlanServer
+from evals.launch import PlanServer, sigterm_interrupts
 
 PLANS = {i: Path(f"plans/cpu/smollm2_pd_dcp2_i{i}.yaml") for i in (1, 16, 64)}
 OVERRIDES = [  # a 2048-token prompt plus its output needs a context above the plans' 2048
@@ -110,8 +111,9 @@ def main() -> None:
     load_before = os.getloadavg()
     servers = {i: PlanServer(plan, OVERRIDES, health_timeout_s=900) for i, plan in PLANS.items()}
     raw: dict[int, dict[int, list[dict]]] = {n: {i: [] for i in PLANS} for n in args.lengths}
-    try:
+    with sigterm_interrupts(), contextlib.ExitStack() as stop:  # SIGTERM stops the servers too
         for server in servers.values():
+            stop.callback(server.stop)
             server.start()
         for server in servers.values():
             server.wait_healthy()
@@ -125,9 +127,6 @@ def main() -> None:
                         if round_:
                             raw[n][i].append(sample)
                 print(f"round {round_} done", flush=True)
-    finally:
-        for server in servers.values():
-            server.stop()
     results = {n: {i: summarize(samples) for i, samples in per_i.items()} for n, per_i in raw.items()}
     load_after = os.getloadavg()
     header = (

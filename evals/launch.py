@@ -2,6 +2,6 @@
 it measures with. The class lives with the engine's hosting (`engine.serving.plan_server`), where a P/D deployment
 starts its prefill and decode instances with it too."""
 
-from engine.serving.plan_server import DEFAULT_HEALTH_TIMEOUT_S, PlanServer, ServerStartError
+from engine.serving.plan_server import DEFAULT_HEALTH_TIMEOUT_S, PlanServer, ServerStartError, sigterm_interrupts
 
-__all__ = ["DEFAULT_HEALTH_TIMEOUT_S", "PlanServer", "ServerStartError"]
+__all__ = ["DEFAULT_HEALTH_TIMEOUT_S", "PlanServer", "ServerStartError", "sigterm_interrupts"]

@@ -7,6 +7,7 @@ Progress goes to a `Feed`: one `TargetFeed` per target (status lines, requests d
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 from engine.errors import UserError
-from evals.launch import PlanServer, ServerStartError
+from evals.launch import PlanServer, ServerStartError, sigterm_interrupts
 from evals.targets import Target
 
 Status = Callable[[str], None]
@@ -110,12 +111,14 @@ class Launched:
             label=target.label,
         )
         self.status = status
+        self._signals = contextlib.ExitStack()
         self.launch: dict[str, Any] = {"command": self.server.command, "port": self.server.port}
         if keep_log:
             self.launch["log"] = str(self.server.log_path)
 
     def __enter__(self) -> Launched:
         self.status(f"launching (world size {self.world_size})")
+        self._signals.enter_context(sigterm_interrupts())
         try:
             self.server.start()
             self.launch["time_to_healthy_s"] = round(self.server.wait_healthy(), 2)
@@ -129,7 +132,10 @@ class Launched:
 
     def _stop(self) -> None:
         self.status("stopping the server")
-        self.launch["exit_code"] = self.server.stop()
+        try:
+            self.launch["exit_code"] = self.server.stop()
+        finally:
+            self._signals.close()
 
     @property
     def served(self) -> Served:

@@ -179,6 +179,36 @@ def test_server_that_exits_fails_fast_with_its_error(tmp_path):
     assert not server.alive()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_eval_stops_the_server_it_launched(tmp_path, tiny_llama, sig):
+    import subprocess
+    import sys
+
+    import psutil
+
+    plan = write_plan(tmp_path, tiny_llama, name="tp1.yaml")
+    data, out = write_gsm8k(tmp_path / "data"), tmp_path / "out"
+    command = [sys.executable, "-m", "dcpctl.cli", "eval", "gsm8k", str(plan), "--data-dir", str(data)]
+    command += ["--limit", "4", "--num-fewshot", "1", "--output", str(out)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:  # plain progress lines (not a terminal); lm-eval is imported once healthy
+            lines.append(line)
+            if "healthy in" in line:
+                break
+        server = [p for p in psutil.Process(proc.pid).children(recursive=True) if "engine.serve_entry" in p.cmdline()]
+        assert len(server) == 1, "".join(lines)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=90) != 0  # interrupted, not finished
+        _, alive = psutil.wait_procs(server, timeout=5)
+        assert not alive, f"the plan server outlived `dcpctl eval` ({sig.name})"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_library_output_goes_to_the_run_log_with_bars_collapsed(tmp_path, capsys):
     import logging
     import sys

@@ -6,6 +6,10 @@ that hits its prefix cache or preempts; afterwards neither side holds a block or
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
+import json
+import math
 import os
 import signal
 import time
@@ -14,6 +18,9 @@ import httpx
 import pytest
 import yaml
 
+from engine import dcp
+from engine.kv_transfer import transport
+from engine.parallel_layout import ParallelLayout
 from engine.serving.deployment import Deployment
 from engine.serving.hosting import bind_socket
 from engine.serving.plan_server import PlanServer
@@ -80,9 +87,33 @@ def settled(url: str, timeout_s: float = 20.0) -> dict:
         time.sleep(0.2)
 
 
+def assert_one_descriptor_per_block(folder, plan, prompts, bodies) -> None:
+    """Interleave = block size from a dcp-1 prefill side: every decode rank's pull is exactly one descriptor per
+    block it fills per layer and K/V (each request's own report), and as many blocks' bytes."""
+    config = json.loads((folder / "config.json").read_text())
+    mla = "kv_lora_rank" in config
+    settings = yaml.safe_load(plan.read_text())
+    par, block_size = settings["parallel"], settings["cache"]["block_size"]
+    assert par["interleave"] == block_size
+    heads = config["num_attention_heads"]
+    layout = ParallelLayout.build(par["tp"], par["dcp"], heads, config.get("num_key_value_heads", heads), mla)
+    per_block = config["num_hidden_layers"] * (1 if mla else 2)  # layers x K/V
+    head_dim = config["kv_lora_rank"] + config["qk_rope_head_dim"] if mla else config["head_dim"]
+    block_bytes = layout.kv_heads_per_rank() * block_size * head_dim * 4  # float32
+    for ids, body in zip(prompts, bodies, strict=True):
+        (kv,) = body["kv_transfer"]
+        ranks = {r["rank"]: r for r in kv["per_rank"]}
+        assert sorted(ranks) == list(range(layout.world_size))
+        for rank, report in ranks.items():
+            local = dcp.local_len(len(ids) - 1, layout.role(rank).dcp_rank, block_size, par["dcp"])
+            blocks = math.ceil(local / block_size)
+            assert report["descriptors"] == blocks * per_block, (len(ids), rank, report)
+            assert report["bytes"] == blocks * per_block * block_bytes  # whole blocks (the last one stretched)
+
+
 def check_deployment(tmp_path, folder, plan, seed=0) -> dict:
     """The matrix for one P/D plan: every length at once vs HF, then the same prompt again (a prefix hit on the
-    decode side pulls less), then nothing held."""
+    decode side pulls less), then nothing held. At interleave = block size, the descriptor counts are exact."""
     prompts = prompt_ids(len(LENGTHS), LENGTHS, seed=seed)
     with PlanServer(plan, log_path=tmp_path / "pd.log", health_timeout_s=300) as server:
         bodies = complete_all(server.base_url, prompts)
@@ -90,6 +121,9 @@ def check_deployment(tmp_path, folder, plan, seed=0) -> dict:
         for ids, body in zip(prompts, bodies, strict=True):
             (kv,) = body["kv_transfer"]
             assert kv["tokens"] == len(ids) - 1
+        settings = yaml.safe_load(plan.read_text())
+        if settings["parallel"]["interleave"] == settings["cache"]["block_size"]:
+            assert_one_descriptor_per_block(folder, plan, prompts, bodies)
         again = complete_all(server.base_url, [prompts[-1]])
         assert again[0]["choices"][0]["token_ids"] == bodies[-1]["choices"][0]["token_ids"]
         assert again[0]["kv_transfer"][0]["tokens"] < len(prompts[-1]) - 1  # the decode side's prefix cache
@@ -153,56 +187,123 @@ def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
     return value
 
 
-def test_faults_expired_stale_and_a_dead_prefill_instance(tmp_path, tiny_models):
-    """Real processes: an export nobody claims is freed when its lease ends and its handle is then stale (400); the
-    prefill instance killed: a handle it gave out fails at the decode side naming it (502, no hang), the router
-    reports it unhealthy and answers at once, and the decode side holds no block."""
-    folder = tiny_models("llama")
+@contextlib.contextmanager
+def routed(tmp_path, folder, disagg: dict):
+    """The fault tests' deployment (prefill dcp1 -> decode dcp2 at interleave = block size = 8) with a router in
+    this process; yields (deployment, router URL, client)."""
     plan = pd_plan(
         tmp_path,
         folder,
         {"cache.block_size": 8},
         {"parallel.dcp": 2, "parallel.interleave": 8, "cache.block_size": 8},
-        {"lease_s": 3, "transfer_timeout_s": 1},
+        disagg,
     )
-    ids = prompt_ids(1, [40], seed=5)[0]
-    export = {"prompt": ids, "max_tokens": 1, "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}}
     with Deployment(str(plan), "pd", [], 0, 0) as deployment:
         router = start_router(deployment.router(), bind_socket("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{router.port}"
-        p_url, d_url = deployment.prefill.base_url, deployment.decode.base_url
         try:
             with httpx.Client(timeout=60, trust_env=False) as client:
-
-                def stats(base):
-                    return client.get(f"{base}/v1/engine/stats").json()
-
-                handle = client.post(f"{p_url}/v1/completions", json=export).json()["kv_transfer_params"]
-                assert stats(p_url)["exports_live"] == 1
-                wait_for(lambda: stats(p_url)["exports_live"] == 0 and stats(p_url)["used_blocks"] == 0, what="expiry")
-                body = {"prompt": ids, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-                body["kv_transfer_params"] = handle
-                stale = client.post(f"{d_url}/v1/completions", json=body)
-                assert stale.status_code == 400 and "expired" in stale.text, stale.text
-
-                ok = client.post(f"{url}/v1/completions", json={**body, "kv_transfer_params": None})
-                assert ok.status_code == 200, ok.text
-                assert ok.json()["choices"][0]["token_ids"] == hf_greedy(folder, ids, 3)[0]
-
-                handle = client.post(f"{p_url}/v1/completions", json=export).json()["kv_transfer_params"]
-                os.killpg(deployment.prefill.pid, signal.SIGKILL)
-                start = time.monotonic()
-                dead = client.post(f"{d_url}/v1/completions", json={**body, "kv_transfer_params": handle})
-                assert dead.status_code == 502 and f"the prefill instance {p_url}" in dead.text, dead.text
-                assert time.monotonic() - start < 15
-                assert stats(d_url)["used_blocks"] == 0
-                failed = client.post(f"{url}/v1/completions", json=body)
-                assert failed.status_code in (502, 503) and "prefill instance" in failed.text, failed.text
-                health = wait_for(
-                    lambda: (r := client.get(f"{url}/health")).status_code == 503 and r, what="router 503"
-                )
-                assert f"the prefill instance {p_url} is unhealthy" in health.text
-                assert client.post(f"{url}/v1/completions", json=body).status_code == 503  # at once, named
-                assert stats(d_url)["used_blocks"] == 0
+                yield deployment, f"http://127.0.0.1:{router.port}", client
         finally:
             router.stop()
+
+
+def assert_router_reports(client: httpx.Client, url: str, role: str, instance_url: str, body: dict) -> None:
+    """The router's /health turns 503 naming the instance, and a request is refused at once, naming it."""
+    health = wait_for(lambda: (r := client.get(f"{url}/health")).status_code == 503 and r, what="router 503")
+    assert f"the {role} instance {instance_url} is unhealthy" in health.text
+    refused = client.post(f"{url}/v1/completions", json=body)
+    assert refused.status_code == 503 and f"the {role} instance {instance_url}" in refused.text, refused.text
+
+
+def test_faults_expired_stale_and_a_dead_prefill_instance(tmp_path, tiny_models):
+    """Real processes: an export nobody claims is freed when its lease ends and its handle is then stale (400); the
+    prefill instance killed: a handle it gave out fails at the decode side naming it (502, no hang), the router
+    reports it unhealthy and answers at once, and the decode side holds no block."""
+    folder = tiny_models("llama")
+    ids = prompt_ids(1, [40], seed=5)[0]
+    export = {"prompt": ids, "max_tokens": 1, "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}}
+    with routed(tmp_path, folder, {"lease_s": 3, "transfer_timeout_s": 1}) as (deployment, url, client):
+        p_url, d_url = deployment.prefill.base_url, deployment.decode.base_url
+
+        def stats(base):
+            return client.get(f"{base}/v1/engine/stats").json()
+
+        handle = client.post(f"{p_url}/v1/completions", json=export).json()["kv_transfer_params"]
+        assert stats(p_url)["exports_live"] == 1
+        wait_for(lambda: stats(p_url)["exports_live"] == 0 and stats(p_url)["used_blocks"] == 0, what="expiry")
+        body = {"prompt": ids, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        body["kv_transfer_params"] = handle
+        stale = client.post(f"{d_url}/v1/completions", json=body)
+        assert stale.status_code == 400 and "expired" in stale.text, stale.text
+
+        ok = client.post(f"{url}/v1/completions", json={**body, "kv_transfer_params": None})
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["choices"][0]["token_ids"] == hf_greedy(folder, ids, 3)[0]
+
+        handle = client.post(f"{p_url}/v1/completions", json=export).json()["kv_transfer_params"]
+        os.killpg(deployment.prefill.pid, signal.SIGKILL)
+        start = time.monotonic()
+        dead = client.post(f"{d_url}/v1/completions", json={**body, "kv_transfer_params": handle})
+        assert dead.status_code == 502 and f"the prefill instance {p_url}" in dead.text, dead.text
+        assert time.monotonic() - start < 15
+        assert stats(d_url)["used_blocks"] == 0
+        failed = client.post(f"{url}/v1/completions", json=body)
+        assert failed.status_code in (502, 503) and "prefill instance" in failed.text, failed.text
+        assert_router_reports(client, url, "prefill", p_url, body)
+        assert stats(d_url)["used_blocks"] == 0
+
+
+def test_the_prefill_instance_killed_mid_transfer(tmp_path, tiny_models, monkeypatch):
+    """The prefill instance SIGKILLed while a decode rank's READ is in flight (held there by the transport's test
+    hook): the request fails with an error naming the prefill instance (no hang), the decode side frees its blocks
+    and stays healthy, the router stays up, reports the prefill instance unhealthy and answers at once."""
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    monkeypatch.setenv(transport.HOLD_ENV, str(hold))  # inherited by the decode ranks
+    body = {"prompt": prompt_ids(1, [100], seed=7)[0], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    with routed(tmp_path, tiny_models("llama"), {"transfer_timeout_s": 20}) as (deployment, url, client):
+        p_url, d_url = deployment.prefill.base_url, deployment.decode.base_url
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(client.post, f"{url}/v1/completions", json=body)
+            wait_for(lambda: list(hold.glob("reading-*")), what="a READ in flight")
+            os.killpg(deployment.prefill.pid, signal.SIGKILL)
+            deployment.prefill.proc.wait(timeout=10)
+            start = time.monotonic()
+            (hold / "go").touch()
+            failed = pending.result(timeout=60)
+        assert time.monotonic() - start < 30
+        assert failed.status_code == 502, failed.text
+        assert f"the KV transfer from the prefill instance {p_url} failed on decode rank" in failed.text
+        wait_for(lambda: client.get(f"{d_url}/v1/engine/stats").json()["used_blocks"] == 0, what="no block used")
+        stats = client.get(f"{d_url}/v1/engine/stats").json()["kv_transfer"]
+        assert stats["pulls_failed"] == 1 and "READ from" in stats["last_error"]
+        assert client.get(f"{d_url}/health").status_code == 200  # the decode side goes on
+        assert_router_reports(client, url, "prefill", p_url, body)
+
+
+def test_a_decode_rank_dying_ends_the_decode_instance_and_the_router_says_so(tmp_path, tiny_models):
+    """Decode rank 1 SIGKILLed while a request generates: the request ends with an error (no hang), the decode
+    instance exits with its root cause as any plan does, the router stays up, reports it unhealthy and answers at
+    once, and the prefill side holds nothing."""
+    body = {"prompt": prompt_ids(1, [20], seed=6)[0], "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    with routed(tmp_path, tiny_models("llama"), {"lease_s": 5, "transfer_timeout_s": 3}) as (deployment, url, client):
+        p_url, d_url = deployment.prefill.base_url, deployment.decode.base_url
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(client.post, f"{url}/v1/completions", json=body)
+            wait_for(lambda: client.get(f"{d_url}/v1/engine/stats").json()["generated_tokens"] > 0)
+            (rank1,) = [
+                p
+                for p in deployment.decode.processes()
+                if "engine.worker" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1"
+            ]
+            start = time.monotonic()
+            rank1.send_signal(signal.SIGKILL)
+            failed = pending.result(timeout=60)
+        assert failed.status_code >= 500 and "error" in failed.json(), (
+            failed.text
+        )  # from the router or the dying instance
+        assert time.monotonic() - start < 60
+        assert deployment.decode.proc.wait(timeout=60) != 0
+        assert "rank 1" in deployment.decode.exit_reason(), deployment.decode.exit_reason()
+        assert_router_reports(client, url, "decode", d_url, {**body, "max_tokens": 2})
+        wait_for(lambda: client.get(f"{p_url}/v1/engine/stats").json()["exports_live"] == 0, what="no export")

@@ -13,12 +13,15 @@ import contextlib
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 PROGRESS_INTERVAL_S = 0.005  # the target side's polling: ~1.4 % of a core while idle, measured
 INSTALL_HINT = "install it with `pip install nixl-cu12` (scripts/setup.sh does)"
+HOLD_ENV = "DCPCTL_TEST_HOLD_READ"  # tests only: a folder where a READ in flight waits for a file `go` (faults)
+HOLD_MAX_S = 30.0
 
 
 class TransferError(Exception):
@@ -44,6 +47,16 @@ def unavailable_reason() -> str | None:
 def _error_text(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _hold_in_flight() -> None:
+    """Tests only ($DCPCTL_TEST_HOLD_READ set): say that a READ is in flight and wait until the test says go (at
+    most HOLD_MAX_S), so that a peer can be killed mid-transfer deterministically."""
+    folder = Path(os.environ[HOLD_ENV])
+    (folder / f"reading-{os.getpid()}").touch()
+    deadline = time.monotonic() + HOLD_MAX_S
+    while not (folder / "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 class Agent:
@@ -137,6 +150,7 @@ class Agent:
     def _wait(self, handles: list[tuple[str, Any]], deadline: float, timeout_s: float) -> None:
         pending = list(handles)
         spins = 0
+        held = not os.environ.get(HOLD_ENV)
         while pending:
             name, handle = pending[0]
             try:
@@ -148,6 +162,9 @@ class Agent:
                 continue
             if state == "ERR":
                 raise TransferError(f"READ from {name} failed (NIXL reported an error)")
+            if not held:
+                held = True
+                _hold_in_flight()
             if time.perf_counter() > deadline:
                 raise TransferError(f"READ from {name} made no progress for {timeout_s:g} s")
             spins += 1

@@ -100,6 +100,7 @@ class ModelRunner:
     def attach_kv_role(self, role: KVRole) -> None:
         """A P/D instance's rank: export the KV storage (prefill) or get ready to pull into it (decode)."""
         head_major = getattr(self.backend, "head_major_cache", False)
+        kv_cache.fault_in(self.kv_cache)  # transfers then never pay page faults
         geometry = kv_cache.geometry(self.kv_cache, head_major)
         on_gpu = self.device.type == "cuda"
         if role.role == "prefill":

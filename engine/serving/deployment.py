@@ -10,7 +10,6 @@ router stays up. Stopping this process stops both instances.
 from __future__ import annotations
 
 import contextlib
-import signal
 import socket
 import tempfile
 from pathlib import Path
@@ -19,7 +18,7 @@ from types import TracebackType
 from engine.errors import UserError
 from engine.runtime.launcher import free_port
 from engine.serving.hosting import bind_socket
-from engine.serving.plan_server import PlanServer, connect_host
+from engine.serving.plan_server import PlanServer, connect_host, sigterm_interrupts
 from engine.serving.router import Router, router_server, start_router
 
 INSTANCE_ROLES = ("prefill", "decode")
@@ -53,7 +52,7 @@ class Deployment:
 
     def start(self) -> Deployment:
         """Start both instances and wait until both are healthy; a UserError names the one that failed."""
-        with _sigterm_interrupts():
+        with sigterm_interrupts():
             try:
                 self.prefill.start()
                 self.decode.start()
@@ -79,20 +78,6 @@ class Deployment:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
-
-
-@contextlib.contextmanager
-def _sigterm_interrupts():
-    """SIGTERM while instances start is a KeyboardInterrupt, so that they are stopped, not orphaned."""
-
-    def interrupt(*_: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def serve_router(router: Router, sock: socket.socket, name: str, where: str) -> None:

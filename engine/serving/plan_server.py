@@ -15,7 +15,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -61,6 +63,25 @@ def _default_sigint() -> None:
     # A parent started in the background (nohup, `cmd &` in a script) ignores SIGINT and children inherit that;
     # the server must see SIGINT to shut down cleanly.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM is a KeyboardInterrupt for the span of the block, so that servers started in it are stopped by the
+    same clean-up as on Ctrl-C rather than orphaned (they run in sessions of their own, so the signal that ends
+    this process never reaches them). Outside the main thread (no signal handlers there) it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def connect_host(host: str) -> str:
