@@ -129,7 +129,9 @@ def profile_rank(args: argparse.Namespace) -> None:
         g = torch.Generator().manual_seed(0)
         vocab = llm.engine.runner.vocab_size
         prompts = [torch.randint(100, vocab - 1, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
-        llm.generate(prompts, SamplingParams(max_tokens=end + 2, temperature=0, ignore_eos=True))
+        llm.generate(
+            prompts, SamplingParams(max_tokens=end + 16, temperature=0, ignore_eos=True)
+        )  # past chunked prefill
     finally:
         llm.close()
 
