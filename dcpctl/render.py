@@ -44,6 +44,14 @@ def _weights_cell(resolved: ResolvedPlan | None) -> str:
     return weights_cell(*placed) if placed is not None else "-"
 
 
+def _dense_cell(resolved: ResolvedPlan | None) -> str:
+    """parallel.dense / the DCP combine it runs (auto resolved where the placement is known)."""
+    if resolved is None:
+        return "?"
+    p = resolved.plan.parallel
+    return f"{p.dense}/{resolved.placement.comm_backend if resolved.placement else p.dcp_comm_backend}"
+
+
 def render_validation(console: Console, checks: list[PlanCheck]) -> None:
     """The validation table, then every error, warning and note under it."""
     table = Table(title="Plan validation", header_style="bold")
@@ -73,7 +81,7 @@ def render_validation(console: Console, checks: list[PlanCheck]) -> None:
             str(p.dcp if p else "?"),
             str(p.interleave if p else "?"),
             str(res.plan.cache.block_size if res else "?"),
-            f"{p.dense}/{p.dcp_comm_backend}" if p else "?",
+            _dense_cell(res),
             _weights_cell(res),
             _kv_cell(res),
             status,

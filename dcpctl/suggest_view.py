@@ -14,7 +14,7 @@ from engine.suggest.suggest import Candidate, Suggestion
 def _layout(c: Candidate) -> str:
     p = c.plan.parallel
     kind = c.check.resolved.layout.kind
-    dense = getattr(p, "dense", "replicated")
+    dense = p.dense
     text = f"tp{p.tp} dcp{p.dcp}"
     if p.dcp > 1:
         text += f" i{p.interleave}" + (" rep" if kind == "replica" else "")
@@ -154,7 +154,7 @@ def suggestion_to_dict(s: Suggestion) -> dict[str, Any]:
 
 def _parallel(c: Candidate) -> dict[str, Any]:
     p = c.plan.parallel
-    return {"tp": p.tp, "dcp": p.dcp, "interleave": p.interleave, "dense": getattr(p, "dense", "replicated")}
+    return {"tp": p.tp, "dcp": p.dcp, "interleave": p.interleave, "dense": p.dense}
 
 
 def _candidate(c: Candidate) -> dict[str, Any]:

@@ -33,7 +33,9 @@ KV2_6x16 = (
 )  # slices of 24 columns cut heads
 KV2_I126 = ("llama", {"num_kv_heads": 2, "intermediate_size": 126})  # 126 % 4: the MLP stays on tp
 SHARDED = {"parallel.dense": "sharded"}
+REPLICATED = {"parallel.dense": "replicated"}  # the placement before Helix (no longer the default)
 A2A = {"parallel.dcp_comm_backend": "a2a"}
+AG_RS = {"parallel.dcp_comm_backend": "ag_rs"}  # auto runs a2a with the sharded placement
 
 CASES = {
     # name: (model, settings)
@@ -74,6 +76,7 @@ CASES = {
     "gqa2-tp1-dcp2-i4-chunked-replica-cpu-backend": (
         KV2,
         {
+            **REPLICATED,
             "parallel.dcp": 2,
             "parallel.interleave": 4,
             "scheduler.max_num_batched_tokens": 24,
@@ -82,18 +85,21 @@ CASES = {
     ),
     "gqa2-tp1-dcp2-i4-chunked-replica": (
         KV2,
-        {"parallel.dcp": 2, "parallel.interleave": 4, "scheduler.max_num_batched_tokens": 24},
+        {**REPLICATED, "parallel.dcp": 2, "parallel.interleave": 4, "scheduler.max_num_batched_tokens": 24},
     ),
-    "gqa2-tp2-dcp2-i16-replica": (KV2, {"parallel.tp": 2, "parallel.dcp": 2, "parallel.interleave": 16}),
+    "gqa2-tp2-dcp2-i16-replica": (
+        KV2,
+        {**REPLICATED, "parallel.tp": 2, "parallel.dcp": 2, "parallel.interleave": 16},
+    ),
     # the dense placement (parallel.dense) and the all-to-all combine (issue 19)
     "gqa2-tp1-dcp2-i4-sharded-a2a-chunked": (
         KV2,
         {**SHARDED, **A2A, "parallel.dcp": 2, "parallel.interleave": 4, "scheduler.max_num_batched_tokens": 24},
     ),
-    "gqa2-tp1-dcp2-i1-sharded-ag_rs": (KV2, {**SHARDED, "parallel.dcp": 2}),
+    "gqa2-tp1-dcp2-i1-sharded-ag_rs": (KV2, {**SHARDED, **AG_RS, "parallel.dcp": 2}),
     "gqa2-tp1-dcp2-i4-replicated-a2a-cpu-backend": (
         KV2,
-        {**A2A, "parallel.dcp": 2, "parallel.interleave": 4, "attention.backend": "cpu"},
+        {**REPLICATED, **A2A, "parallel.dcp": 2, "parallel.interleave": 4, "attention.backend": "cpu"},
     ),
     "gqa2x6-tp1-dcp4-i2-sharded-a2a-chunked": (
         KV2_6x16,
@@ -101,7 +107,7 @@ CASES = {
     ),
     "gqa1-tp2-dcp4-i16-sharded-ag_rs": (
         KV1,
-        {**SHARDED, "parallel.tp": 2, "parallel.dcp": 4, "parallel.interleave": 16},
+        {**SHARDED, **AG_RS, "parallel.tp": 2, "parallel.dcp": 4, "parallel.interleave": 16},
     ),
     "gqa1-tp2-dcp2-i1-a2a": (KV1, {**A2A, "parallel.tp": 2, "parallel.dcp": 2}),
     "mla-tp1-dcp2-i2-sharded-a2a-chunked-cpu-backend": (
@@ -115,7 +121,7 @@ CASES = {
             "attention.backend": "cpu",
         },
     ),
-    "mla-tp1-dcp4-i1-sharded-ag_rs": (MLA, {**SHARDED, "parallel.dcp": 4}),
+    "mla-tp1-dcp4-i1-sharded-ag_rs": (MLA, {**SHARDED, **AG_RS, "parallel.dcp": 4}),
     # 320 B/token/rank: 40 KiB = 8 blocks of 16 per rank = 512 tokens over dcp 4, for 7 sequences of up to 154
     "mla-tp2-dcp4-i16-sharded-a2a-preempt": (
         MLA,
@@ -130,7 +136,10 @@ CASES = {
             "scheduler.max_num_batched_tokens": 64,
         },
     ),
-    "mla-tp2-dcp4-i16-replicated-a2a": (MLA, {**A2A, "parallel.tp": 2, "parallel.dcp": 4, "parallel.interleave": 16}),
+    "mla-tp2-dcp4-i16-replicated-a2a": (
+        MLA,
+        {**REPLICATED, **A2A, "parallel.tp": 2, "parallel.dcp": 4, "parallel.interleave": 16},
+    ),
     "mla-tp2-dcp2-i16-b64-a2a": (
         MLA,
         {**A2A, "parallel.tp": 2, "parallel.dcp": 2, "parallel.interleave": 16, "cache.block_size": 64},

@@ -237,3 +237,10 @@ def test_whole_model_weights_equal_the_checkpoint(tiny_models, arch, sizes):
     layout = ParallelLayout.build(1, 1, info.num_heads, info.num_kv_heads, info.is_mla)
     total = weight_bytes(DensePlacement.build(layout, info), 0, 4)
     assert total == sum(size for _, _, size in safetensors_entries(folder))
+
+
+def test_comm_backend_auto_is_a2a_only_with_the_sharded_placement(tmp_path):
+    assert placement(tmp_path / "a", SMOLLM2, 1, 2, comm="auto").comm_backend == "a2a"
+    assert placement(tmp_path / "b", SMOLLM2, 1, 2, dense="replicated", comm="auto").comm_backend == "ag_rs"
+    assert placement(tmp_path / "c", SMOLLM2, 1, 1, comm="auto").comm_backend == "ag_rs"  # no replicas: no Helix
+    assert placement(tmp_path / "d", SMOLLM2, 1, 2, comm="ag_rs").comm_backend == "ag_rs"  # an explicit choice wins

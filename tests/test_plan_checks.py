@@ -223,7 +223,7 @@ def test_static_rules(make_plan, llama_folder, text, fragment):
             "parallel: {dense: shard}\n",
             "parallel.dense='shard' is not one of replicated, sharded (did you mean 'sharded'?)",
         ),
-        ("parallel: {dcp_comm_backend: a2 a}\n", "parallel.dcp_comm_backend='a2 a' is not one of ag_rs, a2a"),
+        ("parallel: {dcp_comm_backend: a2 a}\n", "parallel.dcp_comm_backend='a2 a' is not one of auto, ag_rs, a2a"),
         (
             "parallel: {dcp_comm_backend: fi_a2a}\n",
             "parallel.dcp_comm_backend='fi_a2a' is SGLang's FlashInfer MNNVL kernel and is not supported; use a2a",
@@ -261,3 +261,19 @@ def test_sharded_fallback_is_a_note_not_an_error(make_plan, tmp_path):
         "layers 0-1 mlp: not split over the 4 ranks (intermediate_size=126 % 4 != 0); split over tp=1 as with "
         "parallel.dense=replicated" in report.problems.notes
     )
+
+
+def test_defaults_are_helix_with_a2a_on_replica_layouts_and_silent_without(make_plan, tmp_path, llama_folder):
+    folder = write_config(tmp_path / "kv2", num_key_value_heads=2)
+    cpu = "launch: {device: cpu}\ncache: {memory: 1MiB}\n"
+    replica = check(make_plan, f"model: {{path: {folder}}}\nparallel: {{dcp: 2}}\n{cpu}")
+    assert replica.valid, messages(replica)
+    placement = replica.resolved.placement
+    assert (placement.dense, placement.sharded, placement.comm_backend) == ("sharded", True, "a2a")
+    # the placement before Helix stays selectable, and its combine (auto) stays the all-gather + reduce-scatter
+    old = check(make_plan, f"model: {{path: {folder}}}\nparallel: {{dcp: 2, dense: replicated}}\n{cpu}")
+    assert (old.resolved.placement.sharded, old.resolved.placement.comm_backend) == (False, "ag_rs")
+    # without replica ranks the defaults change nothing and say nothing
+    plain = check(make_plan, f"model: {{path: {llama_folder}}}\n{cpu}")
+    assert plain.valid and not plain.resolved.placement.sharded
+    assert not [n for n in plain.problems.notes if "parallel.dense" in n or "dcp_comm_backend" in n]

@@ -53,7 +53,7 @@ def no_pulled_models(tmp_path, monkeypatch):
     monkeypatch.setenv("DCPCTL_CACHE", str(tmp_path / "models"))
 
 
-def _by_layout(result, tp, dcp, interleave=None, dense="replicated"):
+def _by_layout(result, tp, dcp, interleave=None, dense="sharded"):
     for c in result.accepted:
         p = c.plan.parallel
         if (p.tp, p.dcp, p.dense) == (tp, dcp, dense) and interleave in (None, p.interleave):
@@ -79,7 +79,7 @@ def test_deepseek_v2_lite_on_8_h200_at_128k(tmp_path, monkeypatch, no_pulled_mod
     assert best.kv_bytes_per_token_per_rank * 8 == no_dcp.kv_bytes_per_token_per_rank
     assert best.check.resolved.kv.token_capacity == 8 * no_dcp.check.resolved.kv.token_capacity
     # the replica layouts hold less in the same memory: each of their ranks keeps more of the weights
-    replica = _by_layout(capacity, 1, 8)
+    replica = _by_layout(capacity, 1, 8, dense="replicated")
     assert replica.check.resolved.layout.kind == "replica"
     assert replica.weight_bytes_per_rank > best.weight_bytes_per_rank
     assert replica.check.resolved.kv.token_capacity < best.check.resolved.kv.token_capacity
@@ -96,7 +96,7 @@ def test_deepseek_v2_lite_on_8_h200_at_128k(tmp_path, monkeypatch, no_pulled_mod
     assert eight[0].step.comm_s < tp8.step.comm_s
     assert not any(c.where == "attention: query gather" for c in eight[0].step.collectives)
     assert eight[0].step.bound == tp8.step.bound == "memory"
-    replicated = [c for c in eight if c.plan.parallel.dense == "replicated"]
+    replicated = [c for c in eight if not c.placement.sharded]
     assert (replicated[0].plan.parallel.tp, replicated[0].plan.parallel.dcp) == (8, 8)
     assert [c.step.seconds for c in latency.accepted] == sorted(c.step.seconds for c in latency.accepted)
 
@@ -120,7 +120,7 @@ def test_smollm2_on_cpu_orders_by_shared_memory(no_pulled_models):
     model = planned_model("smollm2-135m-instruct")
     cluster = Cluster(TEST_CPU, 2, 1)
     latency = suggest(Request(model, cluster, 2048, 8, objective="latency"))
-    one, two = _by_layout(latency, 1, 1), _by_layout(latency, 1, 2, 1)
+    one, two = _by_layout(latency, 1, 1), _by_layout(latency, 1, 2, 1, dense="replicated")
     assert latency.accepted[0] is one
     # dcp 2 runs replica ranks on the same memory and cores: both read all the weights, and each layer adds the
     # DCP combine (an LSE all-gather and a reduce-scatter)
@@ -137,9 +137,7 @@ def test_smollm2_on_cpu_orders_by_shared_memory(no_pulled_models):
     capacity = suggest(Request(model, cluster, 2048, 8, objective="capacity"))
     assert capacity.accepted[0] is not None
     cap = {
-        c.plan.parallel.dcp: c.check.resolved.kv.token_capacity
-        for c in capacity.accepted
-        if c.plan.parallel.dense == "replicated"
+        c.plan.parallel.dcp: c.check.resolved.kv.token_capacity for c in capacity.accepted if not c.placement.sharded
     }
     assert cap[1] > cap[2]
     # ... while at a fixed KV budget per rank (the shipped CPU plans' 1GiB) dcp 2 holds exactly twice the tokens

@@ -18,6 +18,7 @@ from engine.parallel_layout import ParallelLayout
 
 DENSE_PLACEMENTS = ("replicated", "sharded")
 COMM_BACKENDS = ("ag_rs", "a2a")
+COMM_CHOICES = ("auto", *COMM_BACKENDS)  # auto: a2a where the dense layers are sharded over the world, else ag_rs
 
 
 class ModelShape(Protocol):
@@ -144,7 +145,7 @@ class DensePlacement:
     layout: ParallelLayout
     model: ModelShape
     dense: str  # as the plan asks: replicated | sharded
-    comm_backend: str  # the DCP combine: ag_rs | a2a
+    comm_backend: str  # the DCP combine: ag_rs | a2a (`parallel.dcp_comm_backend`, auto resolved)
     sharded: bool  # the dense layers are split over the world (asked for, and there are replica ranks)
     o_proj: ModuleSplit
     mlp: ModuleSplit | None  # None: no dense MLP layer (all MoE)
@@ -153,11 +154,17 @@ class DensePlacement:
 
     @classmethod
     def build(
-        cls, layout: ParallelLayout, model: ModelShape, dense: str = "replicated", comm_backend: str = "ag_rs"
+        cls, layout: ParallelLayout, model: ModelShape, dense: str = "sharded", comm_backend: str = "auto"
     ) -> DensePlacement:
-        """Decide every split once; a split the world cannot make falls back to the TP group with its reason."""
+        """Decide every split once; a split the world cannot make falls back to the TP group with its reason.
+
+        `comm_backend` auto is a2a with the sharded placement, where each DCP rank merges its own 1/dcp of the
+        columns, and ag_rs otherwise (where the ranks of a replica layout each merge every column, the all-to-all
+        measured slower: benchmarks/RESULTS.md)."""
         t, n = layout.tp, layout.world_size
         sharded = dense == "sharded" and layout.replicas > 1
+        if comm_backend == "auto":
+            comm_backend = "a2a" if sharded else "ag_rs"
         all_layers = range(model.num_layers)
         dense_layers, moe_layers = _mlp_layers(model)
 
@@ -240,11 +247,14 @@ class DensePlacement:
     def ranks(self) -> list[RankPlacement]:
         return [self.rank(r) for r in range(self.layout.world_size)]
 
-    def notes(self) -> list[str]:
-        """What the placement means for this plan, one line each (plan validate / show print them)."""
+    def notes(self, dense_set: bool = True) -> list[str]:
+        """What the placement means for this plan, one line each (plan validate / show print them). `dense_set`:
+        the plan sets parallel.dense itself (the default needs no note where it changes nothing)."""
         layout = self.layout
         n = layout.world_size
         if self.dense == "sharded" and layout.replicas == 1:
+            if not dense_set:
+                return []
             why = "dcp=1" if layout.dcp == 1 else f"dcp={layout.dcp} divides R={layout.replication}"
             return [
                 f"parallel.dense=sharded: no replica ranks ({why}), so the dense layers are tensor-parallel "

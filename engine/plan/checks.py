@@ -19,7 +19,7 @@ from engine.errors import UserError
 from engine.kernels import cpu_isa
 from engine.kernels.cpu_paths import CpuPaths, kernels_wanted
 from engine.parallel_layout import ParallelLayout, divisors, layout_problems
-from engine.placement.split import COMM_BACKENDS, DENSE_PLACEMENTS, DensePlacement
+from engine.placement.split import COMM_CHOICES, DENSE_PLACEMENTS, DensePlacement
 from engine.plan.kv_sizing import format_bytes, kv_sizing, parse_memory
 from engine.plan.loader import LoadedPlan, PlanLoadError, load_plan
 from engine.plan.resolved import ResolvedPlan, model_not_found
@@ -72,7 +72,7 @@ def _check_static(problems: PlanProblems, res: ResolvedPlan) -> None:
             "use a2a (one all_to_all over the DCP group) or ag_rs",
         )
     else:
-        _choice(problems, "parallel.dcp_comm_backend", p.dcp_comm_backend, COMM_BACKENDS)
+        _choice(problems, "parallel.dcp_comm_backend", p.dcp_comm_backend, COMM_CHOICES)
     if p.dcp == 1 and p.dcp_comm_backend == "a2a":
         problems.notes.append("parallel.dcp_comm_backend=a2a has no effect with parallel.dcp=1")
     if s.max_num_seqs < 1:
@@ -221,7 +221,7 @@ def _resolve_cpu_comm(problems: PlanProblems, res: ResolvedPlan) -> None:
         res.cpu_comm = "shm" if lch.cpu_comm in ("auto", "shm") and lch.nnodes == 1 else "gloo"
 
 
-def _check_model(problems: PlanProblems, res: ResolvedPlan, info: ModelInfo) -> None:
+def _check_model(problems: PlanProblems, res: ResolvedPlan, info: ModelInfo, dense_set: bool) -> None:
     plan = res.plan
     p = plan.parallel
     bad_layout = layout_problems(p.tp, p.dcp, info.num_heads, info.num_kv_heads, info.is_mla)
@@ -230,10 +230,10 @@ def _check_model(problems: PlanProblems, res: ResolvedPlan, info: ModelInfo) -> 
     if not bad_layout:
         res.layout = ParallelLayout.build(p.tp, p.dcp, info.num_heads, info.num_kv_heads, info.is_mla)
         # a world beyond MAX_WORLD_SIZE is an error of its own (_check_devices); its ranks are not enumerated
-        choices = p.dense in DENSE_PLACEMENTS and p.dcp_comm_backend in COMM_BACKENDS
+        choices = p.dense in DENSE_PLACEMENTS and p.dcp_comm_backend in COMM_CHOICES
         if choices and res.layout.world_size <= MAX_WORLD_SIZE:
             res.placement = DensePlacement.build(res.layout, info, p.dense, p.dcp_comm_backend)
-            problems.notes.extend(res.placement.notes())
+            problems.notes.extend(res.placement.notes(dense_set))
     for name, size in (
         ("intermediate_size", info.intermediate_size),
         ("moe_intermediate_size", info.moe_intermediate_size),
@@ -369,7 +369,7 @@ def check_plan(
         res.model_path = resolve_model_path(plan.model.path)
     res.model = info = model if model is not None else _read_model(problems, res, strict)
     if info is not None:
-        _check_model(problems, res, info)
+        _check_model(problems, res, info, dense_set="parallel.dense" in loaded.origins)
     _resolve_dtypes(res)
     _check_static(problems, res)
     _resolve_backend(problems, res)

@@ -42,9 +42,10 @@ class ParallelSection:
     dcp: int = 1
     interleave: int = 1
     pp: int = 1
-    # Dense layers with replica ranks (engine.placement): replicated | sharded (Helix; TensorRT-LLM cp_type HELIX)
-    dense: str = "replicated"
-    dcp_comm_backend: str = "ag_rs"  # the DCP combine: ag_rs | a2a (vLLM's and SGLang's field and values)
+    # Dense layers with replica ranks (engine.placement): sharded (Helix; TensorRT-LLM cp_type HELIX) | replicated
+    dense: str = "sharded"
+    # The DCP combine: auto | ag_rs | a2a (vLLM's and SGLang's field and values; auto: a2a with dense=sharded)
+    dcp_comm_backend: str = "auto"
 
 
 @dataclass

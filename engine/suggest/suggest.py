@@ -25,7 +25,7 @@ from engine.placement.weights import weight_bytes
 from engine.plan.checks import check_plan
 from engine.plan.kv_sizing import format_bytes
 from engine.plan.loader import LoadedPlan, plan_to_dict
-from engine.plan.schema import DTYPES, Plan
+from engine.plan.schema import DTYPES, ParallelSection, Plan
 from engine.plan.validation import PlanCheck
 from engine.suggest.figures import Cluster, DecodeStep, decode_step
 from engine.suggest.models import PlannedModel
@@ -121,11 +121,16 @@ def _ranking(objective: str, c: Candidate) -> tuple:
     return (not c.serves_concurrency, -c.tokens_per_s, c.step.seconds, *simpler)
 
 
+DEFAULT_DENSE = ParallelSection.dense  # the placement a plan gets without parallel.dense
+
+
 def _plan(req: Request, tp: int, dcp: int, interleave: int, dense: str, memory: str, nnodes: int) -> Plan:
     model = req.model
     stem = Path(model.plan_path).name.lower().replace(".", "_")
     name = (
-        f"{stem}_tp{tp}_dcp{dcp}" + (f"_i{interleave}" if dcp > 1 else "") + ("_sharded" if dense == "sharded" else "")
+        f"{stem}_tp{tp}_dcp{dcp}"
+        + (f"_i{interleave}" if dcp > 1 else "")
+        + ("_replicated" if dense != DEFAULT_DENSE else "")
     )
     plan = Plan(name=name, description=f"dcpctl plan suggest: {req.objective} at {req.context} tokens")
     plan.model.path = model.plan_path
@@ -166,8 +171,8 @@ def _evaluate(req: Request, tp: int, dcp: int, interleave: int, dense: str) -> C
     res = first.resolved
     if res.layout is None:
         return Candidate(probe, first, [e.message for e in first.problems.errors])
-    if dense != "replicated" and res.layout.replicas == 1:
-        return None  # without replica ranks every placement is the replicated one
+    if dense != DEFAULT_DENSE and res.layout.replicas == 1:
+        return None  # without replica ranks every placement is the same (tensor-parallel over the TP group)
     world = res.layout.world_size
     nnodes = cluster.nodes_of(world)
     if cluster.total % world:
@@ -176,7 +181,7 @@ def _evaluate(req: Request, tp: int, dcp: int, interleave: int, dense: str) -> C
         return Candidate(
             probe, first, [f"world size {world} spans nodes but is not a multiple of {cluster.devices} per node"]
         )
-    placement = DensePlacement.build(res.layout, info, dense)
+    placement = DensePlacement.build(res.layout, info, dense, res.plan.parallel.dcp_comm_backend)
     elem = dtype_bytes(res.dtype)
     weights = max(weight_bytes(placement, r, elem) for r in range(world))
     local = world // nnodes
@@ -264,6 +269,5 @@ def write_plan(candidate: Candidate, path: str | Path) -> Path:
 def plan_step(check: PlanCheck, cluster: Cluster, batch: float, context: int) -> DecodeStep:
     """The roofline decode step of a valid plan at `batch` running sequences of `context` tokens on `cluster`."""
     res = check.require_valid()
-    placement = DensePlacement.build(res.layout, res.model, getattr(res.plan.parallel, "dense", "replicated"))
     elem = dtype_bytes(res.dtype)
-    return decode_step(placement, res.kv, res.plan.parallel.interleave, cluster, elem, batch, context)
+    return decode_step(res.placement, res.kv, res.plan.parallel.interleave, cluster, elem, batch, context)
