@@ -12,6 +12,7 @@ from rich.text import Text
 
 from dcpctl import placement_view
 from dcpctl.args import split_plans_and_overrides
+from dcpctl.pd_suggest_view import pd_to_dict, render_pd
 from dcpctl.render import render_validation
 from dcpctl.suggest_view import render_suggestion, suggestion_to_dict
 from engine import dcp
@@ -27,6 +28,7 @@ from engine.plan.validation import PlanCheck
 from engine.suggest.figures import Cluster
 from engine.suggest.hardware import DEVICE_NAMES, device_spec, parse_figure
 from engine.suggest.models import planned_model
+from engine.suggest.pd import suggest_pd, write_pair
 from engine.suggest.suggest import OBJECTIVES, Request, suggest, write_plan
 
 app = typer.Typer(help="Validate and inspect parallelism plans.", no_args_is_help=True)
@@ -306,8 +308,17 @@ def suggest_cmd(
     show_all: Annotated[bool, typer.Option("--all", help="Also list every rejected combination and why.")] = False,
     top: Annotated[int, typer.Option(help="Rows of the table.")] = 12,
     as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON.")] = False,
-    write: Annotated[str | None, typer.Option(help="Write the chosen plan as YAML to this file.")] = None,
+    write: Annotated[
+        str | None,
+        typer.Option(
+            help="Write the chosen plan as YAML to this file (--pd: the decode plan; the prefill plan "
+            "goes beside it as <stem>_prefill.yaml)."
+        ),
+    ] = None,
     pick: Annotated[int, typer.Option(help="With --write: the row to write (1 = best).")] = 1,
+    pd: Annotated[
+        bool, typer.Option("--pd", help="Prefill -> decode pairs: both layouts, the hand-off and the decode step.")
+    ] = False,
 ) -> None:
     """Every layout the plan checks accept for MODEL on a cluster, with its capacity and a roofline decode step."""
     spec = device_spec(
@@ -325,6 +336,9 @@ def suggest_cmd(
             raise UserError(f"--kv-memory {kv_memory!r} must be a size such as 1GiB, not a fraction")
     cluster = Cluster(spec, devices if devices is not None else spec.devices_per_node, nodes)
     request = Request(planned_model(model), cluster, context, concurrency, dtype, block_size, kv_bytes, optimize)
+    if pd:
+        _suggest_pd(request, top, show_all, as_json, write, pick)
+        return
     result = suggest(request)
     if write is not None:
         if not result.accepted:
@@ -339,5 +353,27 @@ def suggest_cmd(
         render_suggestion(console, result, top, show_all)
         if write is not None:
             console.print(f"wrote {written} ({result.accepted[pick - 1].name}); check it with `dcpctl plan validate`")
+    if not result.accepted:
+        raise typer.Exit(1)
+
+
+def _suggest_pd(request: Request, top: int, show_all: bool, as_json: bool, write: str | None, pick: int) -> None:
+    result = suggest_pd(request)
+    if write is not None:
+        if not result.accepted:
+            raise UserError("no P/D pair was accepted, so there are no plans to write; --all says why")
+        if not 1 <= pick <= len(result.accepted):
+            raise UserError(f"--pick {pick} is not a row: choose 1..{len(result.accepted)}")
+        decode, prefill = write_pair(result.accepted[pick - 1], write)
+    if as_json:
+        typer.echo(json.dumps(pd_to_dict(result), indent=2))
+    else:
+        console = Console()
+        render_pd(console, result, top, show_all)
+        if write is not None:
+            console.print(
+                f"wrote {decode} (decode, naming its prefill plan) and {prefill}; check them with "
+                f"`dcpctl plan validate {decode}`"
+            )
     if not result.accepted:
         raise typer.Exit(1)

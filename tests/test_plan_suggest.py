@@ -53,10 +53,10 @@ def no_pulled_models(tmp_path, monkeypatch):
     monkeypatch.setenv("DCPCTL_CACHE", str(tmp_path / "models"))
 
 
-def _by_layout(result, tp, dcp, interleave=None, dense="replicated"):
+def _by_layout(result, tp, dcp, interleave=None, dense="replicated", comm="ag_rs"):
     for c in result.accepted:
         p = c.plan.parallel
-        if (p.tp, p.dcp, p.dense) == (tp, dcp, dense) and interleave in (None, p.interleave):
+        if (p.tp, p.dcp, p.dense, p.dcp_comm_backend) == (tp, dcp, dense, comm) and interleave in (None, p.interleave):
             return c
     raise AssertionError(f"tp{tp} dcp{dcp} not accepted")
 
@@ -128,6 +128,11 @@ def test_smollm2_on_cpu_orders_by_shared_memory(no_pulled_models):
     assert two.step.bytes_read > one.step.bytes_read
     assert sum(c.count for c in two.step.collectives) == 2 * model.info.num_layers
     assert not one.step.collectives
+    # the all-to-all combine is one collective per layer instead of an all-gather and a reduce-scatter
+    a2a = _by_layout(latency, 1, 2, 1, comm="a2a")
+    assert [c.op for c in a2a.step.collectives if c.where.startswith("attention")] == ["all_to_all"]
+    assert sum(c.count for c in a2a.step.collectives) == model.info.num_layers
+    assert a2a.step.comm_s < two.step.comm_s and a2a.step.bytes_read == two.step.bytes_read
     # the Helix placement splits the dense layers over both ranks: each reads about half the weights
     sharded = _by_layout(latency, 1, 2, 1, dense="sharded")
     assert sharded.weight_bytes_per_rank < 0.6 * one.weight_bytes_per_rank
@@ -213,14 +218,21 @@ def test_figures_parse():
 def test_cpu_figures_come_from_the_cache(tmp_path, monkeypatch):
     cache = tmp_path / "cpu.json"
     monkeypatch.setenv("DCPCTL_CPU_FIGURES", str(cache))
-    figures = {"bandwidth": 1.5e10, "flops32_per_core": 2e10, "collective_latency_s": 1e-4}
+    figures = {
+        "bandwidth": 1.5e10,
+        "flops32_per_core": 2e10,
+        "collective_latency_s": 1e-4,
+        "shm_collective_latency_s": 1e-5,
+    }
     cache.write_text(json.dumps({"machine": measure.machine_key(), "figures": figures}))
     assert measure.cpu_figures() == figures
-    # another machine's figures are not reused
-    cache.write_text(json.dumps({"machine": {**measure.machine_key(), "cpu": "other"}, "figures": figures}))
+    # another machine's figures are not reused, nor figures from before a figure was measured
     monkeypatch.setattr(measure.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("measured")))
-    with pytest.raises(RuntimeError, match="measured"):
-        measure.cpu_figures()
+    older = {k: v for k, v in figures.items() if k != "shm_collective_latency_s"}
+    for machine, cached in ((measure.machine_key(), older), ({**measure.machine_key(), "cpu": "other"}, figures)):
+        cache.write_text(json.dumps({"machine": machine, "figures": cached}))
+        with pytest.raises(RuntimeError, match="measured"):
+            measure.cpu_figures()
 
 
 def test_cli_table_json_and_write(tmp_path, monkeypatch, no_pulled_models):
