@@ -9,7 +9,6 @@ from rich.console import Console
 from rich.table import Table
 
 from dcpctl.suggest_view import (
-    BOUND_SHORT,
     candidate_dict,
     count_text,
     layout_label,
@@ -19,7 +18,9 @@ from dcpctl.suggest_view import (
     rejected_table,
     render_collectives,
     render_header,
+    render_more,
     request_dict,
+    step_cells,
 )
 from engine.plan.kv_sizing import format_bytes
 from engine.suggest.pd import Handoff, Pair, PDSuggestion, interleave_companion
@@ -54,15 +55,11 @@ def render_pd(console: Console, s: PDSuggestion, top: int, show_rejected: bool) 
             format_bytes(h.max_bytes),
             _descriptors(h),
             ms(h.seconds) + (" net" if h.crosses_nodes else ""),
-            ms(d.step.seconds),
-            BOUND_SHORT[d.step.bound],
-            f"{d.tokens_per_s:,.0f}",
+            *step_cells(d),
         )
     if s.accepted:
         console.print(table)
-        hidden = len(s.accepted) - min(top, len(s.accepted))
-        if hidden:
-            console.print(f"{hidden} more accepted pair(s): --top {len(s.accepted)} shows them", style="dim")
+        render_more(console, len(s.accepted), top, "pair(s)")
         _render_interleave(console, s)
         best = s.accepted[0]
         h = best.handoff

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from functools import partial
 from typing import Annotated
 
 import typer
@@ -340,40 +342,46 @@ def suggest_cmd(
         _suggest_pd(request, top, show_all, as_json, write, pick)
         return
     result = suggest(request)
+    wrote = None
     if write is not None:
-        if not result.accepted:
-            raise UserError("no layout was accepted, so there is no plan to write; --all says why")
-        if not 1 <= pick <= len(result.accepted):
-            raise UserError(f"--pick {pick} is not a row: choose 1..{len(result.accepted)}")
-        written = write_plan(result.accepted[pick - 1], write)
+        chosen = _picked(result.accepted, pick, "layout")
+        wrote = f"wrote {write_plan(chosen, write)} ({chosen.name}); check it with `dcpctl plan validate`"
+    render = partial(render_suggestion, s=result, top=top, show_rejected=show_all)
+    _show(result.accepted, as_json, partial(suggestion_to_dict, result), render, wrote)
+
+
+def _show(
+    accepted: list, as_json: bool, data: Callable[[], dict], render: Callable[[Console], None], wrote: str | None
+) -> None:
+    """Print a suggestion as JSON or as tables (then what --write wrote); exit 1 when nothing was accepted."""
     if as_json:
-        typer.echo(json.dumps(suggestion_to_dict(result), indent=2))
+        typer.echo(json.dumps(data(), indent=2))
     else:
         console = Console()
-        render_suggestion(console, result, top, show_all)
-        if write is not None:
-            console.print(f"wrote {written} ({result.accepted[pick - 1].name}); check it with `dcpctl plan validate`")
-    if not result.accepted:
+        render(console)
+        if wrote:
+            console.print(wrote)
+    if not accepted:
         raise typer.Exit(1)
+
+
+def _picked(rows: list, pick: int, what: str):
+    """Row `pick` (1 = best) of the accepted rows, for --write."""
+    if not rows:
+        raise UserError(f"no {what} was accepted, so there is nothing to write; --all says why")
+    if not 1 <= pick <= len(rows):
+        raise UserError(f"--pick {pick} is not a row: choose 1..{len(rows)}")
+    return rows[pick - 1]
 
 
 def _suggest_pd(request: Request, top: int, show_all: bool, as_json: bool, write: str | None, pick: int) -> None:
     result = suggest_pd(request)
+    wrote = None
     if write is not None:
-        if not result.accepted:
-            raise UserError("no P/D pair was accepted, so there are no plans to write; --all says why")
-        if not 1 <= pick <= len(result.accepted):
-            raise UserError(f"--pick {pick} is not a row: choose 1..{len(result.accepted)}")
-        decode, prefill = write_pair(result.accepted[pick - 1], write)
-    if as_json:
-        typer.echo(json.dumps(pd_to_dict(result), indent=2))
-    else:
-        console = Console()
-        render_pd(console, result, top, show_all)
-        if write is not None:
-            console.print(
-                f"wrote {decode} (decode, naming its prefill plan) and {prefill}; check them with "
-                f"`dcpctl plan validate {decode}`"
-            )
-    if not result.accepted:
-        raise typer.Exit(1)
+        decode, prefill = write_pair(_picked(result.accepted, pick, "P/D pair"), write)
+        wrote = (
+            f"wrote {decode} (decode, naming its prefill plan) and {prefill}; check them with "
+            f"`dcpctl plan validate {decode}`"
+        )
+    render = partial(render_pd, s=result, top=top, show_rejected=show_all)
+    _show(result.accepted, as_json, partial(pd_to_dict, result), render, wrote)

@@ -86,16 +86,11 @@ def render_suggestion(console: Console, s: Suggestion, top: int, show_rejected: 
             f"{c.kv_bytes_per_token_per_rank:,.0f}",
             count_text(kv.token_capacity),
             seqs,
-            ms(c.step.seconds),
-            BOUND_SHORT[c.step.bound],
-            f"{c.tokens_per_s:,.0f}",
+            *step_cells(c),
         )
     if s.accepted:
         console.print(table)
-    hidden = len(s.accepted) - min(top, len(s.accepted))
-    if hidden:
-        console.print(f"{hidden} more accepted layout(s): --top {len(s.accepted)} shows them", style="dim")
-    if s.accepted:
+        render_more(console, len(s.accepted), top, "layout(s)")
         render_collectives(console, s.accepted[0], "#1")
     if not s.accepted:
         console.print("[red]no layout the plan checks accept[/] for this model, cluster and context:")
@@ -103,6 +98,18 @@ def render_suggestion(console: Console, s: Suggestion, top: int, show_rejected: 
         _render_rejected(console, s)
     elif s.rejected:
         console.print(f"{len(s.rejected)} combination(s) rejected by the plan checks: --all says why", style="dim")
+
+
+def step_cells(c: Candidate) -> tuple[str, str, str]:
+    """The step ms, bound and tok/s cells of an accepted candidate."""
+    return ms(c.step.seconds), BOUND_SHORT[c.step.bound], f"{c.tokens_per_s:,.0f}"
+
+
+def render_more(console: Console, accepted: int, top: int, what: str) -> None:
+    """How many accepted rows the table left out."""
+    hidden = accepted - min(top, accepted)
+    if hidden:
+        console.print(f"{hidden} more accepted {what}: --top {accepted} shows them", style="dim")
 
 
 def render_collectives(console: Console, c: Candidate, label: str) -> None:
