@@ -32,7 +32,8 @@ def main() -> None:
     cluster = Cluster(spec, spec.devices_per_node, 1)
     print(
         f"cpu figures: copy bandwidth {spec.bandwidth / 1e9:.1f} GB/s, fp32 matmul {spec.flops32 / 1e9:.1f} GFLOP/s "
-        f"({spec.devices_per_node} cores), gloo collective {spec.link_latency_s * 1e3:.2f} ms; "
+        f"({spec.devices_per_node} cores), collective {spec.link_latency_s * 1e3:.3f} ms in the node (gloo "
+        f"{spec.network_latency_s * 1e3:.3f} ms); "
         f"bench copy bandwidth {report['bandwidth_bytes_s'].get('cpu', 0) / 1e9:.1f} GB/s"
     )
     print()

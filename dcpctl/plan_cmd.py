@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from functools import partial
 from typing import Annotated
 
 import typer
@@ -12,6 +14,7 @@ from rich.text import Text
 
 from dcpctl import placement_view
 from dcpctl.args import split_plans_and_overrides
+from dcpctl.pd_suggest_view import pd_to_dict, render_pd
 from dcpctl.render import render_validation
 from dcpctl.suggest_view import render_suggestion, suggestion_to_dict
 from engine import dcp
@@ -27,6 +30,7 @@ from engine.plan.validation import PlanCheck
 from engine.suggest.figures import Cluster
 from engine.suggest.hardware import DEVICE_NAMES, device_spec, parse_figure
 from engine.suggest.models import planned_model
+from engine.suggest.pd import suggest_pd, write_pair
 from engine.suggest.suggest import OBJECTIVES, Request, suggest, write_plan
 
 app = typer.Typer(help="Validate and inspect parallelism plans.", no_args_is_help=True)
@@ -306,8 +310,17 @@ def suggest_cmd(
     show_all: Annotated[bool, typer.Option("--all", help="Also list every rejected combination and why.")] = False,
     top: Annotated[int, typer.Option(help="Rows of the table.")] = 12,
     as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON.")] = False,
-    write: Annotated[str | None, typer.Option(help="Write the chosen plan as YAML to this file.")] = None,
+    write: Annotated[
+        str | None,
+        typer.Option(
+            help="Write the chosen plan as YAML to this file (--pd: the decode plan; the prefill plan "
+            "goes beside it as <stem>_prefill.yaml)."
+        ),
+    ] = None,
     pick: Annotated[int, typer.Option(help="With --write: the row to write (1 = best).")] = 1,
+    pd: Annotated[
+        bool, typer.Option("--pd", help="Prefill -> decode pairs: both layouts, the hand-off and the decode step.")
+    ] = False,
 ) -> None:
     """Every layout the plan checks accept for MODEL on a cluster, with its capacity and a roofline decode step."""
     spec = device_spec(
@@ -325,19 +338,50 @@ def suggest_cmd(
             raise UserError(f"--kv-memory {kv_memory!r} must be a size such as 1GiB, not a fraction")
     cluster = Cluster(spec, devices if devices is not None else spec.devices_per_node, nodes)
     request = Request(planned_model(model), cluster, context, concurrency, dtype, block_size, kv_bytes, optimize)
+    if pd:
+        _suggest_pd(request, top, show_all, as_json, write, pick)
+        return
     result = suggest(request)
+    wrote = None
     if write is not None:
-        if not result.accepted:
-            raise UserError("no layout was accepted, so there is no plan to write; --all says why")
-        if not 1 <= pick <= len(result.accepted):
-            raise UserError(f"--pick {pick} is not a row: choose 1..{len(result.accepted)}")
-        written = write_plan(result.accepted[pick - 1], write)
+        chosen = _picked(result.accepted, pick, "layout")
+        wrote = f"wrote {write_plan(chosen, write)} ({chosen.name}); check it with `dcpctl plan validate`"
+    render = partial(render_suggestion, s=result, top=top, show_rejected=show_all)
+    _show(result.accepted, as_json, partial(suggestion_to_dict, result), render, wrote)
+
+
+def _show(
+    accepted: list, as_json: bool, data: Callable[[], dict], render: Callable[[Console], None], wrote: str | None
+) -> None:
+    """Print a suggestion as JSON or as tables (then what --write wrote); exit 1 when nothing was accepted."""
     if as_json:
-        typer.echo(json.dumps(suggestion_to_dict(result), indent=2))
+        typer.echo(json.dumps(data(), indent=2))
     else:
         console = Console()
-        render_suggestion(console, result, top, show_all)
-        if write is not None:
-            console.print(f"wrote {written} ({result.accepted[pick - 1].name}); check it with `dcpctl plan validate`")
-    if not result.accepted:
+        render(console)
+        if wrote:
+            console.print(wrote)
+    if not accepted:
         raise typer.Exit(1)
+
+
+def _picked(rows: list, pick: int, what: str):
+    """Row `pick` (1 = best) of the accepted rows, for --write."""
+    if not rows:
+        raise UserError(f"no {what} was accepted, so there is nothing to write; --all says why")
+    if not 1 <= pick <= len(rows):
+        raise UserError(f"--pick {pick} is not a row: choose 1..{len(rows)}")
+    return rows[pick - 1]
+
+
+def _suggest_pd(request: Request, top: int, show_all: bool, as_json: bool, write: str | None, pick: int) -> None:
+    result = suggest_pd(request)
+    wrote = None
+    if write is not None:
+        decode, prefill = write_pair(_picked(result.accepted, pick, "P/D pair"), write)
+        wrote = (
+            f"wrote {decode} (decode, naming its prefill plan) and {prefill}; check them with "
+            f"`dcpctl plan validate {decode}`"
+        )
+    render = partial(render_pd, s=result, top=top, show_rejected=show_all)
+    _show(result.accepted, as_json, partial(pd_to_dict, result), render, wrote)

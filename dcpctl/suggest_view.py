@@ -8,43 +8,43 @@ from rich.console import Console
 from rich.table import Table
 
 from engine.plan.kv_sizing import format_bytes
-from engine.suggest.suggest import Candidate, Suggestion
+from engine.suggest.suggest import Candidate, Request, Suggestion
 
 
-def _layout(c: Candidate) -> str:
+def layout_label(c: Candidate) -> str:
+    """A layout in a few words: "tp1 dcp2 i64 rep sharded a2a"."""
     p = c.plan.parallel
     kind = c.check.resolved.layout.kind
-    dense = p.dense
     text = f"tp{p.tp} dcp{p.dcp}"
     if p.dcp > 1:
         text += f" i{p.interleave}" + (" rep" if kind == "replica" else "")
-    if dense == "sharded" and c.placement is not None and c.placement.sharded:
+    if p.dense == "sharded" and c.placement is not None and c.placement.sharded:
         text += " sharded"
+    if p.dcp > 1 and p.dcp_comm_backend == "a2a":
+        text += " a2a"
     return text
 
 
 BOUND_SHORT = {"memory": "mem", "compute": "compute", "communication": "comm"}
 
 
-def _count(n: int) -> str:
+def count_text(n: int) -> str:
     for scale, unit in ((10**9, "G"), (10**6, "M"), (10**3, "k")):
         if n >= scale:
             return f"{n / scale:.3g}{unit}"
     return str(n)
 
 
-def _rate(bytes_s: float) -> str:
+def rate(bytes_s: float) -> str:
     return f"{bytes_s / 1e12:.3g} TB/s" if bytes_s >= 1e12 else f"{bytes_s / 1e9:.3g} GB/s"
 
 
-def _ms(seconds: float) -> str:
+def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g}"
 
 
-def render_suggestion(console: Console, s: Suggestion, top: int, show_rejected: bool) -> None:
-    """The accepted layouts best first (at most `top`), the first one's collectives, and with `show_rejected` why
-    every other combination was rejected."""
-    req = s.request
+def render_header(console: Console, req: Request) -> None:
+    """The model, the cluster, the request and the device's figures."""
     spec, cluster = req.cluster.spec, req.cluster
     console.print(
         f"[bold]{req.model.info.architecture}[/] from {req.model.origin}; {cluster.total} x {spec.name}"
@@ -53,8 +53,8 @@ def render_suggestion(console: Console, s: Suggestion, top: int, show_rejected: 
         highlight=False,
     )
     console.print(
-        f"device: {format_bytes(spec.memory_bytes)}, memory {_rate(spec.bandwidth)}, "
-        f"{spec.flops(2) / 1e12:.3g} TFLOP/s 16-bit, link {_rate(spec.link_bandwidth)}; {spec.source}",
+        f"device: {format_bytes(spec.memory_bytes)}, memory {rate(spec.bandwidth)}, "
+        f"{spec.flops(2) / 1e12:.3g} TFLOP/s 16-bit, link {rate(spec.link_bandwidth)}; {spec.source}",
         style="dim",
         highlight=False,
     )
@@ -62,6 +62,13 @@ def render_suggestion(console: Console, s: Suggestion, top: int, show_rejected: 
         console.print(
             f"[yellow]note[/] the engine does not run {req.model.info.architecture} yet; it is planned by its shape"
         )
+
+
+def render_suggestion(console: Console, s: Suggestion, top: int, show_rejected: bool) -> None:
+    """The accepted layouts best first (at most `top`), the first one's collectives, and with `show_rejected` why
+    every other combination was rejected."""
+    req = s.request
+    render_header(console, req)
     table = Table(header_style="bold")
     for column in ("#", "layout", "world", "weights/rank", "KV B/tok/rank", "tokens", f"seqs@{req.context}"):
         table.add_column(column, justify="left" if column == "layout" else "right")
@@ -73,23 +80,18 @@ def render_suggestion(console: Console, s: Suggestion, top: int, show_rejected: 
         seqs = str(c.seqs_at_context) + ("" if c.serves_concurrency else " [red]<C[/]")
         table.add_row(
             str(i),
-            _layout(c),
+            layout_label(c),
             world,
             format_bytes(c.weight_bytes_per_rank),
             f"{c.kv_bytes_per_token_per_rank:,.0f}",
-            _count(kv.token_capacity),
+            count_text(kv.token_capacity),
             seqs,
-            _ms(c.step.seconds),
-            BOUND_SHORT[c.step.bound],
-            f"{c.tokens_per_s:,.0f}",
+            *step_cells(c),
         )
     if s.accepted:
         console.print(table)
-    hidden = len(s.accepted) - min(top, len(s.accepted))
-    if hidden:
-        console.print(f"{hidden} more accepted layout(s): --top {len(s.accepted)} shows them", style="dim")
-    if s.accepted:
-        _render_collectives(console, s.accepted[0])
+        render_more(console, len(s.accepted), top, "layout(s)")
+        render_collectives(console, s.accepted[0], "#1")
     if not s.accepted:
         console.print("[red]no layout the plan checks accept[/] for this model, cluster and context:")
     if show_rejected or not s.accepted:
@@ -98,11 +100,24 @@ def render_suggestion(console: Console, s: Suggestion, top: int, show_rejected: 
         console.print(f"{len(s.rejected)} combination(s) rejected by the plan checks: --all says why", style="dim")
 
 
-def _render_collectives(console: Console, c: Candidate) -> None:
+def step_cells(c: Candidate) -> tuple[str, str, str]:
+    """The step ms, bound and tok/s cells of an accepted candidate."""
+    return ms(c.step.seconds), BOUND_SHORT[c.step.bound], f"{c.tokens_per_s:,.0f}"
+
+
+def render_more(console: Console, accepted: int, top: int, what: str) -> None:
+    """How many accepted rows the table left out."""
+    hidden = accepted - min(top, accepted)
+    if hidden:
+        console.print(f"{hidden} more accepted {what}: --top {accepted} shows them", style="dim")
+
+
+def render_collectives(console: Console, c: Candidate, label: str) -> None:
+    """How `c`'s roofline step adds up, and each collective of it."""
     step = c.step
     console.print(
-        f"#1 {c.name}: step {_ms(step.seconds)} ms = max(memory {_ms(step.memory_s)}, compute {_ms(step.compute_s)}) "
-        f"+ collectives {_ms(step.comm_s)} + host {_ms(step.overhead_s)} at {c.batch} sequence(s) per engine",
+        f"{label} {c.name}: step {ms(step.seconds)} ms = max(memory {ms(step.memory_s)}, compute {ms(step.compute_s)}) "
+        f"+ collectives {ms(step.comm_s)} + host {ms(step.overhead_s)} at {c.batch} sequence(s) per engine",
         highlight=False,
     )
     if not step.collectives:
@@ -111,7 +126,7 @@ def _render_collectives(console: Console, c: Candidate) -> None:
         where = " across nodes" if x.crosses_nodes else ""
         console.print(
             f"  {x.where}: {x.op} over {x.group} ({x.ranks} ranks{where}), {x.count} per step, "
-            f"{format_bytes(x.bytes_per_step)} sent per rank, {_ms(x.seconds)} ms",
+            f"{format_bytes(x.bytes_per_step)} sent per rank, {ms(x.seconds)} ms",
             highlight=False,
         )
 
@@ -120,17 +135,31 @@ def _render_rejected(console: Console, s: Suggestion) -> None:
     if not s.rejected:
         console.print("no combination was rejected", style="dim")
         return
-    table = Table(title="Rejected", header_style="bold")
+    console.print(rejected_table("Rejected", [(c.name, c.rejected) for c in s.rejected]))
+
+
+def rejected_table(title: str, rows: list[tuple[str, list[str]]]) -> Table:
+    """One row per rejected plan: its name and every reason."""
+    table = Table(title=title, header_style="bold")
     table.add_column("plan")
     table.add_column("why")
-    for c in s.rejected:
-        table.add_row(c.name, "\n".join(c.rejected))
-    console.print(table)
+    for name, reasons in rows:
+        table.add_row(name, "\n".join(reasons))
+    return table
 
 
 def suggestion_to_dict(s: Suggestion) -> dict[str, Any]:
     """Everything the table shows, and the rejections, as JSON-ready data."""
-    req, spec = s.request, s.request.cluster.spec
+    return {
+        **request_dict(s.request),
+        "accepted": [candidate_dict(c) for c in s.accepted],
+        "rejected": [{"plan": c.name, **parallel_dict(c), "reasons": c.rejected} for c in s.rejected],
+    }
+
+
+def request_dict(req: Request) -> dict[str, Any]:
+    """The model, the device figures and the request, as JSON-ready data."""
+    spec = req.cluster.spec
     return {
         "model": {"path": req.model.plan_path, "architecture": req.model.info.architecture, "origin": req.model.origin},
         "device": {
@@ -147,21 +176,25 @@ def suggestion_to_dict(s: Suggestion) -> dict[str, Any]:
         "context": req.context,
         "concurrency": req.concurrency,
         "objective": req.objective,
-        "accepted": [_candidate(c) for c in s.accepted],
-        "rejected": [{"plan": c.name, **_parallel(c), "reasons": c.rejected} for c in s.rejected],
     }
 
 
-def _parallel(c: Candidate) -> dict[str, Any]:
+def parallel_dict(c: Candidate) -> dict[str, Any]:
     p = c.plan.parallel
-    return {"tp": p.tp, "dcp": p.dcp, "interleave": p.interleave, "dense": p.dense}
+    return {
+        "tp": p.tp,
+        "dcp": p.dcp,
+        "interleave": p.interleave,
+        "dense": p.dense,
+        "dcp_comm_backend": p.dcp_comm_backend,
+    }
 
 
-def _candidate(c: Candidate) -> dict[str, Any]:
+def candidate_dict(c: Candidate) -> dict[str, Any]:
     res, step = c.check.resolved, c.step
     return {
         "plan": c.name,
-        **_parallel(c),
+        **parallel_dict(c),
         "block_size": c.plan.cache.block_size,
         "layout": res.layout.kind,
         "world_size": res.world_size,

@@ -53,10 +53,12 @@ def no_pulled_models(tmp_path, monkeypatch):
     monkeypatch.setenv("DCPCTL_CACHE", str(tmp_path / "models"))
 
 
-def _by_layout(result, tp, dcp, interleave=None, dense="sharded"):
+def _by_layout(result, tp, dcp, interleave=None, sharded=False, comm="ag_rs"):
+    """The accepted tp / dcp / interleave whose dense layers are (`sharded`) or are not split over replica ranks."""
     for c in result.accepted:
         p = c.plan.parallel
-        if (p.tp, p.dcp, p.dense) == (tp, dcp, dense) and interleave in (None, p.interleave):
+        same = (p.tp, p.dcp, c.placement.sharded, p.dcp_comm_backend) == (tp, dcp, sharded, comm)
+        if same and interleave in (None, p.interleave):
             return c
     raise AssertionError(f"tp{tp} dcp{dcp} not accepted")
 
@@ -79,7 +81,7 @@ def test_deepseek_v2_lite_on_8_h200_at_128k(tmp_path, monkeypatch, no_pulled_mod
     assert best.kv_bytes_per_token_per_rank * 8 == no_dcp.kv_bytes_per_token_per_rank
     assert best.check.resolved.kv.token_capacity == 8 * no_dcp.check.resolved.kv.token_capacity
     # the replica layouts hold less in the same memory: each of their ranks keeps more of the weights
-    replica = _by_layout(capacity, 1, 8, dense="replicated")
+    replica = _by_layout(capacity, 1, 8)
     assert replica.check.resolved.layout.kind == "replica"
     assert replica.weight_bytes_per_rank > best.weight_bytes_per_rank
     assert replica.check.resolved.kv.token_capacity < best.check.resolved.kv.token_capacity
@@ -92,7 +94,7 @@ def test_deepseek_v2_lite_on_8_h200_at_128k(tmp_path, monkeypatch, no_pulled_mod
     eight = [c for c in latency.accepted if c.check.resolved.world_size == 8]
     tp8 = _by_layout(latency, 8, 8)
     assert tp8.step.bytes_read == min(c.step.bytes_read for c in eight)
-    assert eight[0].plan.parallel.dense == "sharded" and eight[0].plan.parallel.dcp == 8
+    assert eight[0].placement.sharded and eight[0].plan.parallel.dcp == 8
     assert eight[0].step.comm_s < tp8.step.comm_s
     assert not any(c.where == "attention: query gather" for c in eight[0].step.collectives)
     assert eight[0].step.bound == tp8.step.bound == "memory"
@@ -120,7 +122,7 @@ def test_smollm2_on_cpu_orders_by_shared_memory(no_pulled_models):
     model = planned_model("smollm2-135m-instruct")
     cluster = Cluster(TEST_CPU, 2, 1)
     latency = suggest(Request(model, cluster, 2048, 8, objective="latency"))
-    one, two = _by_layout(latency, 1, 1), _by_layout(latency, 1, 2, 1, dense="replicated")
+    one, two = _by_layout(latency, 1, 1), _by_layout(latency, 1, 2, 1)
     assert latency.accepted[0] is one
     # dcp 2 runs replica ranks on the same memory and cores: both read all the weights, and each layer adds the
     # DCP combine (an LSE all-gather and a reduce-scatter)
@@ -128,8 +130,13 @@ def test_smollm2_on_cpu_orders_by_shared_memory(no_pulled_models):
     assert two.step.bytes_read > one.step.bytes_read
     assert sum(c.count for c in two.step.collectives) == 2 * model.info.num_layers
     assert not one.step.collectives
+    # the all-to-all combine is one collective per layer instead of an all-gather and a reduce-scatter
+    a2a = _by_layout(latency, 1, 2, 1, comm="a2a")
+    assert [c.op for c in a2a.step.collectives if c.where.startswith("attention")] == ["all_to_all"]
+    assert sum(c.count for c in a2a.step.collectives) == model.info.num_layers
+    assert a2a.step.comm_s < two.step.comm_s and a2a.step.bytes_read == two.step.bytes_read
     # the Helix placement splits the dense layers over both ranks: each reads about half the weights
-    sharded = _by_layout(latency, 1, 2, 1, dense="sharded")
+    sharded = _by_layout(latency, 1, 2, 1, sharded=True)
     assert sharded.weight_bytes_per_rank < 0.6 * one.weight_bytes_per_rank
     assert sharded.step.bytes_read < two.step.bytes_read
 
@@ -211,14 +218,21 @@ def test_figures_parse():
 def test_cpu_figures_come_from_the_cache(tmp_path, monkeypatch):
     cache = tmp_path / "cpu.json"
     monkeypatch.setenv("DCPCTL_CPU_FIGURES", str(cache))
-    figures = {"bandwidth": 1.5e10, "flops32_per_core": 2e10, "collective_latency_s": 1e-4}
+    figures = {
+        "bandwidth": 1.5e10,
+        "flops32_per_core": 2e10,
+        "collective_latency_s": 1e-4,
+        "shm_collective_latency_s": 1e-5,
+    }
     cache.write_text(json.dumps({"machine": measure.machine_key(), "figures": figures}))
     assert measure.cpu_figures() == figures
-    # another machine's figures are not reused
-    cache.write_text(json.dumps({"machine": {**measure.machine_key(), "cpu": "other"}, "figures": figures}))
+    # another machine's figures are not reused, nor figures from before a figure was measured
     monkeypatch.setattr(measure.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("measured")))
-    with pytest.raises(RuntimeError, match="measured"):
-        measure.cpu_figures()
+    older = {k: v for k, v in figures.items() if k != "shm_collective_latency_s"}
+    for machine, cached in ((measure.machine_key(), older), ({**measure.machine_key(), "cpu": "other"}, figures)):
+        cache.write_text(json.dumps({"machine": machine, "figures": cached}))
+        with pytest.raises(RuntimeError, match="measured"):
+            measure.cpu_figures()
 
 
 def test_cli_table_json_and_write(tmp_path, monkeypatch, no_pulled_models):

@@ -4,18 +4,21 @@ block needs, and the descriptors and bytes per decode rank for a few prompt leng
 size and at interleave 1 for comparison. `dcpctl plan show` draws it for a P/D plan.
 
 Block tables are synthetic and never adjacent in memory (blocks 0, 2, 4, ...), so the counts are what the layouts
-imply; blocks that happen to be adjacent can merge further.
+imply; blocks that happen to be adjacent can merge further. No descriptor then spans a block boundary, so a long
+prompt is counted by the planner over one period of both layouts (the lcm of their virtual blocks, where every rank's
+blocks start on both sides) times the whole periods, plus the planner's count of the rest.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from engine import dcp
 from engine.attention.kv_layout import CacheGeometry
 from engine.dcp import DcpSpec
-from engine.kv_transfer.planner import PullSide, plan_pull
+from engine.kv_transfer.planner import Descriptors, PullSide, plan_pull
 from engine.parallel_layout import ParallelLayout, kv_head_sources
 
 
@@ -87,13 +90,42 @@ def _pull(prefill: HandoffSide, decode: HandoffSide, rank: int, start: int, end:
     )
 
 
-def _per_request(prefill: HandoffSide, decode: HandoffSide, n: int) -> list[tuple[int, int]]:
-    """(descriptors, bytes) per decode rank to pull an n-token prompt (all but its last position)."""
+@dataclass
+class RankPull:
+    """What one decode rank pulls: descriptors, bytes, and the bytes each prefill rank sends it."""
+
+    descriptors: int = 0
+    nbytes: int = 0
+    sent: dict[int, int] = field(default_factory=dict)  # prefill global rank -> bytes
+
+    def add(self, pulls: dict[int, Descriptors], times: int = 1) -> None:
+        for rank, d in pulls.items():
+            self.descriptors += times * len(d)
+            self.nbytes += times * d.nbytes
+            self.sent[rank] = self.sent.get(rank, 0) + times * d.nbytes
+
+
+def rank_pulls(prefill: HandoffSide, decode: HandoffSide, n: int) -> list[RankPull]:
+    """Per decode rank, the pull of an n-token prompt (all but its last position, which the decode side computes)."""
+    period = math.lcm(
+        dcp.tokens_per_virtual_block(prefill.spec.block_size, prefill.spec.dcp),
+        dcp.tokens_per_virtual_block(decode.spec.block_size, decode.spec.dcp),
+    )
+    end = n - 1
+    whole = end // period if end >= 2 * period else 0
     out = []
     for rank in range(decode.layout.world_size):
-        pulls = _pull(prefill, decode, rank, 0, n - 1).values()
-        out.append((sum(len(d) for d in pulls), sum(d.nbytes for d in pulls)))
+        pull = RankPull()
+        if whole:
+            pull.add(_pull(prefill, decode, rank, 0, period), whole)
+        pull.add(_pull(prefill, decode, rank, whole * period, end))
+        out.append(pull)
     return out
+
+
+def _per_request(prefill: HandoffSide, decode: HandoffSide, n: int) -> list[tuple[int, int]]:
+    """(descriptors, bytes) per decode rank to pull an n-token prompt."""
+    return [(p.descriptors, p.nbytes) for p in rank_pulls(prefill, decode, n)]
 
 
 def summarize(prefill: HandoffSide, decode: HandoffSide, lengths: tuple[int, ...] = (512, 2048)) -> HandoffSummary:

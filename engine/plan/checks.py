@@ -354,12 +354,17 @@ def _read_model(problems: PlanProblems, res: ResolvedPlan, strict: bool) -> Mode
 
 
 def check_plan(
-    loaded: LoadedPlan, strict: bool = False, model: ModelInfo | None = None, devices_here: bool = True
+    loaded: LoadedPlan,
+    strict: bool = False,
+    model: ModelInfo | None = None,
+    devices_here: bool = True,
+    prefill: PlanCheck | None = None,
 ) -> PlanCheck:
     """Validate a loaded plan against every rule; never raises for a bad plan.
 
     `model`: the model's facts when they are known without its folder (`plan suggest` plans for shipped
     architectures). `devices_here=False` checks the plan for the cluster it names, not this machine's GPUs and cores.
+    `prefill`: a P/D plan's prefill plan, already checked, instead of the file `disagg.prefill` names.
     """
     plan = loaded.plan
     problems = PlanProblems(where=loaded.where)
@@ -381,7 +386,8 @@ def check_plan(
     if plan.disagg.prefill is not None:
         from engine.plan import disagg  # P/D plans only
 
-        prefill = validate_plan_file(disagg.prefill_file(loaded), loaded.prefill_overrides, strict=strict)
+        if prefill is None:
+            prefill = validate_plan_file(disagg.prefill_file(loaded), loaded.prefill_overrides, strict=strict)
         res.disagg = disagg.check_pair(problems, res, prefill)
     return PlanCheck(source=res.source, name=plan.name, problems=problems, resolved=res)
 

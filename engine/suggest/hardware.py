@@ -155,7 +155,8 @@ def custom(memory: float | None, bandwidth: float | None, flops: float | None, l
 
 
 def cpu(remeasure: bool = False) -> DeviceSpec:
-    """This machine's CPU as one node: free RAM, measured bandwidth, matmul throughput and gloo latency.
+    """This machine's CPU as one node: free RAM, measured bandwidth, matmul throughput and collective latency (the
+    shared-memory collectives' inside the node, as `launch.cpu_comm=auto` runs them; gloo's between nodes).
 
     Its ranks share everything; 16-bit matmuls are taken at the measured fp32 rate (CPUs without AMX gain little).
     """
@@ -171,9 +172,9 @@ def cpu(remeasure: bool = False) -> DeviceSpec:
         bandwidth=figures["bandwidth"],
         flops16=flops,
         flops32=flops,
-        link_bandwidth=figures["bandwidth"] / 2,  # gloo between local ranks: a copy through shared memory
+        link_bandwidth=figures["bandwidth"] / 2,  # between local ranks: a copy through shared memory
         network_bandwidth=NIC_400G,
-        link_latency_s=figures["collective_latency_s"],
+        link_latency_s=figures["shm_collective_latency_s"] or figures["collective_latency_s"],
         network_latency_s=figures["collective_latency_s"],
         source=f"measured on this machine ({cores} cores; cached in {figures_file()}, --remeasure to redo)",
         layer_overhead_s=CPU_LAYER_OVERHEAD_S,

@@ -2,7 +2,8 @@
 
 - memory bandwidth: a large tensor copy (bytes read + written over the best time, like STREAM's copy);
 - matmul throughput per core: fp32 `F.linear` at a decode-sized batch on one thread;
-- collective latency: a small gloo all-gather between two local processes.
+- collective latency: a small all-gather between two local processes, through gloo (what ranks on different nodes
+  use) and through the engine's shared-memory collectives (`engine.shm_comm`, what ranks of one node use).
 
 `cpu_figures` measures once in a fresh interpreter (so the caller holds no torch state) and caches the result per
 machine (CPU model, cores, torch version) in `figures_file()`; `--remeasure` ignores the cache.
@@ -68,34 +69,46 @@ def matmul_flops_per_core(repeats: int = 20) -> float:
     return 2 * rows * k * n / best
 
 
+def _seconds_per_call(call) -> float:
+    import torch.distributed as dist
+
+    for _ in range(10):
+        call()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(COLLECTIVE_ITERS):
+        call()
+    return (time.perf_counter() - start) / COLLECTIVE_ITERS
+
+
 def _collective_worker(rank: int, store_dir: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from engine import shm_comm
+    from engine.group_comm import GroupComm
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(f"{store_dir}/store", 2), rank=rank, world_size=2)
-    part = torch.zeros(256)
-    whole = torch.empty(512)
-    for _ in range(10):
-        dist.all_gather_into_tensor(whole, part)
+    part = torch.zeros(1, 256)
+    latency = {"gloo": _seconds_per_call(lambda: GroupComm(dist.group.WORLD).all_gather_rows(part))}
+    shm = shm_comm.attach(dist.group.WORLD, 60.0)
+    latency["shm"] = None if isinstance(shm, str) else _seconds_per_call(lambda: shm.all_gather_rows(part))
     dist.barrier()
-    start = time.perf_counter()
-    for _ in range(COLLECTIVE_ITERS):
-        dist.all_gather_into_tensor(whole, part)
-    elapsed = time.perf_counter() - start
     if rank == 0:
-        Path(out).write_text(str(elapsed / COLLECTIVE_ITERS))
+        Path(out).write_text(json.dumps(latency))
     dist.destroy_process_group()
 
 
-def collective_latency() -> float:
-    """Seconds per small gloo all-gather between two processes of this machine."""
+def collective_latency() -> dict[str, float | None]:
+    """Seconds per small all-gather between two processes of this machine: {"gloo": s, "shm": s or None when
+    the shared-memory collectives cannot run here}."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         out = f"{tmp}/latency"
         mp.start_processes(_collective_worker, args=(tmp, out), nprocs=2, start_method="spawn", join=True)
-        return float(Path(out).read_text())
+        return json.loads(Path(out).read_text())
 
 
 def figures_file() -> Path:
@@ -119,13 +132,17 @@ def machine_key() -> dict[str, str | int]:
     return {"cpu": model, "cores": devices.cpu_cores(), "torch": version("torch")}
 
 
-def cpu_figures(remeasure: bool = False, timeout_s: float = 300.0) -> dict[str, float]:
-    """{bandwidth, flops32_per_core, collective_latency_s} of this machine, from the cache or measured now."""
+FIGURES = ("bandwidth", "flops32_per_core", "collective_latency_s", "shm_collective_latency_s")
+
+
+def cpu_figures(remeasure: bool = False, timeout_s: float = 300.0) -> dict[str, float | None]:
+    """{bandwidth, flops32_per_core, collective_latency_s (gloo), shm_collective_latency_s (None: no shared-memory
+    collectives here)} of this machine, from the cache or measured now."""
     path, key = figures_file(), machine_key()
     if not remeasure:
         try:
             cached = json.loads(path.read_text())
-            if cached.get("machine") == key:
+            if cached.get("machine") == key and set(FIGURES) <= set(cached["figures"]):
                 return cached["figures"]
         except (OSError, ValueError, AttributeError, KeyError):
             pass
@@ -146,10 +163,12 @@ def cpu_figures(remeasure: bool = False, timeout_s: float = 300.0) -> dict[str, 
 
 def main() -> None:
     """Print this machine's CPU figures as JSON (what `cpu_figures` reads)."""
+    latency = collective_latency()
     figures = {
         "bandwidth": copy_bandwidth(),
         "flops32_per_core": matmul_flops_per_core(),
-        "collective_latency_s": collective_latency(),
+        "collective_latency_s": latency["gloo"],
+        "shm_collective_latency_s": latency["shm"],
     }
     print(json.dumps(figures))
 

@@ -9,9 +9,9 @@ weights (`--kv-memory` fixes it); a suggestion writes it in bytes, so the engine
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -20,7 +20,7 @@ from engine.checkpoints.model_info import dtype_bytes
 from engine.errors import UserError
 from engine.io_utils import atomic_write_text
 from engine.parallel_layout import divisors, kv_replication
-from engine.placement.split import DENSE_PLACEMENTS, DensePlacement
+from engine.placement.split import COMM_BACKENDS, DENSE_PLACEMENTS, DensePlacement
 from engine.placement.weights import weight_bytes
 from engine.plan.checks import check_plan
 from engine.plan.kv_sizing import format_bytes
@@ -61,6 +61,16 @@ class Request:
             raise UserError(f"--optimize {self.objective!r} is not one of {', '.join(OBJECTIVES)}")
         if self.cluster.devices < 1 or self.cluster.nodes < 1:
             raise UserError("--devices and --nodes must be >= 1")
+
+
+class Combo(NamedTuple):
+    """One point of the grid: the parallel fields a plan sets."""
+
+    tp: int
+    dcp: int
+    interleave: int
+    dense: str = ParallelSection.dense
+    comm: str = "ag_rs"  # parallel.dcp_comm_backend
 
 
 @dataclass
@@ -124,20 +134,31 @@ def _ranking(objective: str, c: Candidate) -> tuple:
 DEFAULT_DENSE = ParallelSection.dense  # the placement a plan gets without parallel.dense
 
 
-def _plan(req: Request, tp: int, dcp: int, interleave: int, dense: str, memory: str, nnodes: int) -> Plan:
+def combo_name(stem: str, c: Combo) -> str:
+    """The plan name of a combination: the model's stem, then the fields that differ from a plain plan."""
+    name = f"{stem}_tp{c.tp}_dcp{c.dcp}" + (f"_i{c.interleave}" if c.dcp > 1 else "")
+    return name + ("_replicated" if c.dense != DEFAULT_DENSE else "") + ("_a2a" if c.comm == "a2a" else "")
+
+
+def combo_of(plan: Plan) -> Combo:
+    p = plan.parallel
+    return Combo(p.tp, p.dcp, p.interleave, p.dense, p.dcp_comm_backend)
+
+
+def plan_stem(req: Request) -> str:
+    """The model's part of a suggested plan's name."""
+    return Path(req.model.plan_path).name.lower().replace(".", "_")
+
+
+def _plan(req: Request, c: Combo, memory: str, nnodes: int) -> Plan:
     model = req.model
-    stem = Path(model.plan_path).name.lower().replace(".", "_")
-    name = (
-        f"{stem}_tp{tp}_dcp{dcp}"
-        + (f"_i{interleave}" if dcp > 1 else "")
-        + ("_replicated" if dense != DEFAULT_DENSE else "")
-    )
-    plan = Plan(name=name, description=f"dcpctl plan suggest: {req.objective} at {req.context} tokens")
+    description = f"dcpctl plan suggest: {req.objective} at {req.context} tokens"
+    plan = Plan(name=combo_name(plan_stem(req), c), description=description)
     plan.model.path = model.plan_path
     plan.model.dtype = req.dtype
     plan.model.max_model_len = req.context
-    plan.parallel.tp, plan.parallel.dcp, plan.parallel.interleave = tp, dcp, interleave
-    plan.parallel.dense = dense
+    plan.parallel.tp, plan.parallel.dcp, plan.parallel.interleave = c.tp, c.dcp, c.interleave
+    plan.parallel.dense, plan.parallel.dcp_comm_backend = c.dense, c.comm
     plan.cache.block_size = req.block_size
     plan.cache.memory = memory
     plan.scheduler.max_num_seqs = req.concurrency
@@ -148,9 +169,10 @@ def _plan(req: Request, tp: int, dcp: int, interleave: int, dense: str, memory: 
     return plan
 
 
-def _check(req: Request, plan: Plan) -> PlanCheck:
+def check_candidate(req: Request, plan: Plan, prefill: PlanCheck | None = None) -> PlanCheck:
+    """`plan validate`'s check of a plan in memory, for the cluster it names (a P/D plan: with its prefill's)."""
     loaded = LoadedPlan(plan=plan, source=Path(f"{plan.name}.yaml"))
-    return check_plan(loaded, model=req.model.info, devices_here=False)
+    return check_plan(loaded, model=req.model.info, devices_here=False, prefill=prefill)
 
 
 def _kv_budget(req: Request, weights: int, local_ranks: int) -> int:
@@ -159,74 +181,106 @@ def _kv_budget(req: Request, weights: int, local_ranks: int) -> int:
         return req.kv_memory
     spec = req.cluster.spec
     if spec.shared:  # one memory for the node's ranks, each holding its own weights
-        return int((spec.memory_bytes * MEMORY_FRACTION - local_ranks * weights) / local_ranks)
+        return int(spec.memory_bytes * MEMORY_FRACTION / local_ranks - weights)
     return int(spec.memory_bytes * MEMORY_FRACTION - weights)
 
 
-def _evaluate(req: Request, tp: int, dcp: int, interleave: int, dense: str) -> Candidate | None:
-    cluster = req.cluster
-    info = req.model.info
-    probe = _plan(req, tp, dcp, interleave, dense, "1GiB", 1)  # for the layout and dtype checks only
-    first = _check(req, probe)
-    res = first.resolved
+def probe(req: Request, combo: Combo) -> Candidate | None:
+    """The combination's layout as the checks see it (a 1GiB KV budget: only the layout and dtype rules matter);
+    None for a dense placement other than the default where there are no replica ranks (it would be the same)."""
+    plan = _plan(req, combo, "1GiB", 1)
+    check = check_candidate(req, plan)
+    res = check.resolved
     if res.layout is None:
-        return Candidate(probe, first, [e.message for e in first.problems.errors])
-    if dense != DEFAULT_DENSE and res.layout.replicas == 1:
+        return Candidate(plan, check, [e.message for e in check.problems.errors])
+    if combo.dense != DEFAULT_DENSE and res.layout.replicas == 1:
         return None  # without replica ranks every placement is the same (tensor-parallel over the TP group)
-    world = res.layout.world_size
-    nnodes = cluster.nodes_of(world)
-    if cluster.total % world:
-        return Candidate(probe, first, [f"world size {world} does not divide the {cluster.total} devices"])
-    if world > cluster.devices and world % cluster.devices:
-        return Candidate(
-            probe, first, [f"world size {world} spans nodes but is not a multiple of {cluster.devices} per node"]
-        )
-    placement = DensePlacement.build(res.layout, info, dense, res.plan.parallel.dcp_comm_backend)
+    return Candidate(plan, check)
+
+
+def sized(req: Request, probed: Candidate, nnodes: int, local_ranks: int) -> Candidate:
+    """A probed layout as a plan whose KV budget is what each rank's memory leaves after its weights, checked.
+    `local_ranks`: the ranks sharing one node's memory (a shared-memory device such as a CPU)."""
+    combo = combo_of(probed.plan)
+    res = probed.check.resolved
+    placement = res.placement
+    if placement is None:
+        return Candidate(probed.plan, probed.check, [e.message for e in probed.check.problems.errors])
     elem = dtype_bytes(res.dtype)
-    weights = max(weight_bytes(placement, r, elem) for r in range(world))
-    local = world // nnodes
-    budget = _kv_budget(req, weights, local)
+    weights = max(weight_bytes(placement, r, elem) for r in range(res.layout.world_size))
+    budget = _kv_budget(req, weights, local_ranks)
     if budget <= 0:
-        spec = cluster.spec
+        spec = req.cluster.spec
         return Candidate(
-            probe,
-            first,
+            probed.plan,
+            probed.check,
             [
                 f"weights of {format_bytes(weights)} per rank leave no KV memory in {format_bytes(spec.memory_bytes)} "
                 f"x {MEMORY_FRACTION:g} of a {spec.name} device; use more devices, a larger tp or a 16-bit dtype"
             ],
         )
-    plan = _plan(req, tp, dcp, interleave, dense, f"{budget}B", nnodes)
-    check = _check(req, plan)
+    plan = _plan(req, combo, f"{budget}B", nnodes)
+    check = check_candidate(req, plan)
     if check.problems.errors:
         return Candidate(plan, check, [e.message for e in check.problems.errors])
     kv = check.resolved.kv
-    seqs = kv.num_blocks // dcp_math.blocks_needed(req.context, req.block_size, dcp)
-    copies = 1 if cluster.spec.shared else cluster.total // world
-    batch = max(1, min(-(-req.concurrency // copies), seqs))
-    plan.scheduler.max_num_seqs = batch
-    step = plan_step(check, cluster, batch, req.context)
-    return Candidate(plan, check, [], placement, weights, copies, seqs, batch, step, req.concurrency)
+    seqs = kv.num_blocks // dcp_math.blocks_needed(req.context, req.block_size, combo.dcp)
+    return Candidate(plan, check, [], placement, weights, seqs_at_context=seqs, concurrency=req.concurrency)
 
 
-def _grid(req: Request) -> list[tuple[int, int, int, str]]:
-    info, total, block = req.model.info, req.cluster.total, req.block_size
+def with_step(req: Request, c: Candidate, copies: int) -> Candidate:
+    """An accepted candidate run as `copies` engines: each decodes its share of --concurrency, as far as it holds
+    them, and its roofline step at that batch."""
+    c.copies = copies
+    c.batch = max(1, min(-(-req.concurrency // copies), c.seqs_at_context))
+    c.plan.scheduler.max_num_seqs = c.batch
+    c.step = plan_step(c.check, req.cluster, c.batch, req.context)
+    return c
+
+
+def _evaluate(req: Request, combo: Combo) -> Candidate | None:
+    cluster = req.cluster
+    first = probe(req, combo)
+    if first is None or not first.accepted:
+        return first
+    world = first.check.resolved.layout.world_size
+    if cluster.total % world:
+        return Candidate(first.plan, first.check, [f"world size {world} does not divide the {cluster.total} devices"])
+    if world > cluster.devices and world % cluster.devices:
+        return Candidate(
+            first.plan,
+            first.check,
+            [f"world size {world} spans nodes but is not a multiple of {cluster.devices} per node"],
+        )
+    nnodes = cluster.nodes_of(world)
+    candidate = sized(req, first, nnodes, world // nnodes)
+    if not candidate.accepted:
+        return candidate
+    return with_step(req, candidate, 1 if cluster.spec.shared else cluster.total // world)
+
+
+def layouts(req: Request, max_world: int) -> list[Combo]:
+    """Every tp / dcp / interleave (1 and the block size) / dense placement / DCP combine the grid tries, for worlds
+    of up to `max_world` devices."""
+    info, block = req.model.info, req.block_size
     combos = []
-    for tp in divisors(total):
+    for tp in divisors(max_world):
         rep = kv_replication(tp, info.num_kv_heads, info.is_mla)
-        for dcp in sorted(set(divisors(rep * total // tp)) | set(divisors(total))):
+        for dcp in sorted(set(divisors(rep * max_world // tp)) | set(divisors(max_world))):
             interleaves = (1,) if dcp == 1 else sorted({1, block})
+            comms = ("ag_rs",) if dcp == 1 else COMM_BACKENDS
             for interleave in interleaves:
                 for dense in DENSE_PLACEMENTS:
-                    combos.append((tp, dcp, interleave, dense))
+                    for comm in comms:
+                        combos.append(Combo(tp, dcp, interleave, dense, comm))
     return combos
 
 
 def suggest(req: Request) -> Suggestion:
     """Check every combination of the grid and rank the accepted ones under the request's objective."""
     accepted, rejected = [], []
-    for combo in _grid(req):
-        candidate = _evaluate(req, *combo)
+    for combo in layouts(req, req.cluster.total):
+        candidate = _evaluate(req, combo)
         if candidate is not None:
             (accepted if candidate.accepted else rejected).append(candidate)
     accepted.sort(key=lambda c: _ranking(req.objective, c))
@@ -270,4 +324,6 @@ def plan_step(check: PlanCheck, cluster: Cluster, batch: float, context: int) ->
     """The roofline decode step of a valid plan at `batch` running sequences of `context` tokens on `cluster`."""
     res = check.require_valid()
     elem = dtype_bytes(res.dtype)
+    if cluster.spec.shared and res.cpu_comm == "gloo":  # the plan keeps gloo between its local ranks
+        cluster = replace(cluster, spec=replace(cluster.spec, link_latency_s=cluster.spec.network_latency_s))
     return decode_step(res.placement, res.kv, res.plan.parallel.interleave, cluster, elem, batch, context)
