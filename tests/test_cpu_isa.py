@@ -268,6 +268,9 @@ FORCED_SUITE = [
     "tests/test_cpu_isa.py::test_panel_gemm_keeps_nan_and_takes_strided_weights",
     "tests/test_cpu_isa.py::test_layers_take_the_gemm_the_isa_level_allows",
     "tests/test_cpu_isa.py::test_engine_bf16_tokens_are_hf_bf16s",
+    # DCP ranks over the x86-64-v3 shared-memory collectives: the Helix placement with the a2a combine, GQA and MLA
+    "tests/test_dcp_equivalence.py::test_layout_matches_hf_and_shards_cache[gqa2-tp1-dcp2-i4-sharded-a2a-chunked]",
+    "tests/test_dcp_equivalence.py::test_layout_matches_hf_and_shards_cache[mla-tp1-dcp2-i2-sharded-a2a-chunked-cpu-backend]",
 ]
 
 
