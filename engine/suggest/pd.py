@@ -21,6 +21,7 @@ from engine.kv_transfer.summary import RankPull, rank_pulls
 from engine.plan.disagg import handoff_side
 from engine.plan.validation import PlanCheck
 from engine.suggest.suggest import (
+    DEFAULT_DENSE,
     Candidate,
     Combo,
     Request,
@@ -141,7 +142,7 @@ def _probes(req: Request, max_world: int, prefill_side: bool) -> tuple[list[Cand
     combos: dict[Combo, None] = {}
     for world in range(1, max_world + 1):
         for combo in layouts(req, world):
-            if not prefill_side or (combo.dense, combo.comm) == (Combo._field_defaults["dense"], "ag_rs"):
+            if not prefill_side or (combo.dense, combo.comm) == (DEFAULT_DENSE, "ag_rs"):
                 combos[combo] = None
     accepted, rejected = [], []
     for combo in combos:

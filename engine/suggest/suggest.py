@@ -63,13 +63,16 @@ class Request:
             raise UserError("--devices and --nodes must be >= 1")
 
 
+DEFAULT_DENSE = ParallelSection.dense  # the placement a plan gets without parallel.dense
+
+
 class Combo(NamedTuple):
     """One point of the grid: the parallel fields a plan sets."""
 
     tp: int
     dcp: int
     interleave: int
-    dense: str = ParallelSection.dense
+    dense: str = DEFAULT_DENSE
     comm: str = "ag_rs"  # parallel.dcp_comm_backend
 
 
@@ -129,9 +132,6 @@ def _ranking(objective: str, c: Candidate) -> tuple:
     if objective == "latency":
         return (not c.serves_concurrency, c.step.seconds, -kv.token_capacity, *simpler)
     return (not c.serves_concurrency, -c.tokens_per_s, c.step.seconds, *simpler)
-
-
-DEFAULT_DENSE = ParallelSection.dense  # the placement a plan gets without parallel.dense
 
 
 def combo_name(stem: str, c: Combo) -> str:
