@@ -259,9 +259,12 @@ def test_tiny_model_tp2_dcp2_triton_gives_torch_tokens(tmp_path, tiny_models, mo
     prompts_file.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
     plan = write_plan(tmp_path, folder, {**settings, "scheduler.max_num_batched_tokens": 24})
     common = ["parallel.tp=2", "parallel.dcp=2"]
-    ours = dcpctl_run(plan, prompts_file, tmp_path / "triton.jsonl", [*common, "attention.backend=triton"])
     ref = dcpctl_run(plan, prompts_file, tmp_path / "torch.jsonl", [*common, "attention.backend=torch"])
-    for a, b in zip(ours, ref, strict=True):
-        assert a["token_ids"] == b["token_ids"]
-        diff = max(abs(x["logprob"] - y["logprob"]) for x, y in zip(a["logprobs"], b["logprobs"], strict=True))
-        assert diff < LOGPROB_TOL
+    # both DCP combines: the default (ag_rs in the TP group) and the all-to-all
+    for combine in ("auto", "a2a"):
+        triton = [*common, "attention.backend=triton", f"parallel.dcp_comm_backend={combine}"]
+        ours = dcpctl_run(plan, prompts_file, tmp_path / f"triton_{combine}.jsonl", triton)
+        for a, b in zip(ours, ref, strict=True):
+            assert a["token_ids"] == b["token_ids"]
+            diff = max(abs(x["logprob"] - y["logprob"]) for x, y in zip(a["logprobs"], b["logprobs"], strict=True))
+            assert diff < LOGPROB_TOL
