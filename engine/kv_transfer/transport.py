@@ -9,10 +9,12 @@ A peer that dies raises from NIXL; one that hangs is never reported, so every wa
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ PROGRESS_INTERVAL_S = 0.005  # the target side's polling: ~1.4 % of a core while
 INSTALL_HINT = "install it with `pip install nixl-cu12` (scripts/setup.sh does)"
 HOLD_ENV = "DCPCTL_TEST_HOLD_READ"  # tests only: a folder where a READ in flight waits for a file `go` (faults)
 HOLD_MAX_S = 30.0
+_open_agents: weakref.WeakSet[Agent] = weakref.WeakSet()
 
 
 class TransferError(Exception):
@@ -73,6 +76,7 @@ class Agent:
         self._scratch: tuple[int, Any, Any] | None = None  # (bytes, tensor, registration) for raw READs
         self._progress: threading.Thread | None = None
         self._closed = threading.Event()
+        _open_agents.add(self)
 
     def _register(self, base_addr: int, nbytes: int) -> Any:
         return self._agent.register_memory([(base_addr, nbytes, self.device_id, "")], self.memory)
@@ -187,10 +191,26 @@ class Agent:
         return self.read([(name, device_id, one * src_addr, dst, one * nbytes)], timeout_s, memory)
 
     def close(self) -> None:
-        """Stop the progress thread and drop the remotes and registrations (best effort)."""
+        """Stop the progress thread, drop the remotes and registrations, and destroy the NIXL agent (idempotent).
+
+        An agent still alive when the interpreter finalizes can abort the process from UCX's threads
+        ("terminate called without an active exception"), so every agent is also closed at exit.
+        """
+        if self._closed.is_set():
+            return
         self._closed.set()
+        if self._progress is not None:
+            self._progress.join()
         for name in list(self._remotes):
             self.disconnect(name)
         with contextlib.suppress(Exception):
             for region in self._regions + ([self._scratch[2]] if self._scratch else []):
                 self._agent.deregister_memory(region)
+        self._regions, self._scratch, self._agent = [], None, None
+        _open_agents.discard(self)
+
+
+@atexit.register
+def _close_open_agents() -> None:
+    for agent in list(_open_agents):
+        agent.close()
