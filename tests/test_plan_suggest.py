@@ -236,7 +236,8 @@ def test_cpu_figures_come_from_the_cache(tmp_path, monkeypatch, no_pulled_models
         "layer_host_s": 3e-4,
         "dcp_layer_host_s": 6e-4,
     }
-    entry = {"machine": measure.machine_key(), "figures": machine, "decode": {smol.key: decode}}
+    entry = {"machine": measure.machine_key(), "version": measure.CACHE_VERSION, "figures": machine}
+    entry["decode"] = {smol.key: decode}
     cache.write_text(json.dumps(entry))
     assert measure.cpu_figures(smol) == {**machine, **decode}
     # another model's shapes: only its decode figures are measured, and filed beside the first model's
@@ -253,11 +254,15 @@ def test_cpu_figures_come_from_the_cache(tmp_path, monkeypatch, no_pulled_models
     assert "--machine" not in runs[0] and DecodeShapes.from_dict(sent) == llama
     assert set(json.loads(cache.read_text())["decode"]) == {smol.key, llama.key}
     assert measure.cpu_figures(llama)["layer_host_s"] == 1e-4 and len(runs) == 1  # cached now
-    # another machine's figures are not reused, nor figures from before a figure was measured
+    # another machine's figures are not reused, nor figures from before a figure was measured or measured otherwise
     monkeypatch.setattr(measure.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("measured")))
     older = {k: v for k, v in machine.items() if k != "shm_collective_latency_s"}
-    for key, figures in ((measure.machine_key(), older), ({**measure.machine_key(), "cpu": "other"}, machine)):
-        cache.write_text(json.dumps({"machine": key, "figures": figures, "decode": {smol.key: decode}}))
+    for changed in (
+        {"figures": older},
+        {"machine": {**measure.machine_key(), "cpu": "other"}},
+        {"version": measure.CACHE_VERSION - 1},
+    ):
+        cache.write_text(json.dumps({**entry, **changed}))
         with pytest.raises(RuntimeError, match="measured"):
             measure.cpu_figures(smol)
 

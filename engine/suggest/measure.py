@@ -135,6 +135,7 @@ def machine_key() -> dict[str, str | int]:
 
 
 FIGURES = ("bandwidth", "collective_latency_s", "shm_collective_latency_s")
+CACHE_VERSION = 2  # 2: collective latency with work between calls, per-model decode figures
 DECODE_FIGURES = (
     "linear_flops_per_core",
     "attention_bytes_per_core",
@@ -146,12 +147,14 @@ DECODE_FIGURES = (
 
 
 def _cached(path: Path, key: dict) -> dict:
-    """The cache file's entry for this machine ({} when absent, unreadable or another machine's)."""
+    """The cache file's entry for this machine ({} when absent, unreadable, another machine's or measured the way
+    an older `CACHE_VERSION` did)."""
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    return cached if isinstance(cached, dict) and cached.get("machine") == key else {}
+    same = isinstance(cached, dict) and cached.get("machine") == key and cached.get("version") == CACHE_VERSION
+    return cached if same else {}
 
 
 def _measure(machine: bool, shapes: DecodeShapes, timeout_s: float) -> dict:
@@ -183,7 +186,8 @@ def cpu_figures(shapes: DecodeShapes, remeasure: bool = False, timeout_s: float 
         measured_decode = decode[shapes.key] = measured["decode"]
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            text = json.dumps({"machine": key, "figures": figures, "decode": decode, "measured_at": time.time()})
+            entry = {"machine": key, "version": CACHE_VERSION, "figures": figures, "decode": decode}
+            text = json.dumps({**entry, "measured_at": time.time()})
             atomic_write_text(path, text)
         except OSError:
             pass  # an unwritable cache only costs a measurement next time
