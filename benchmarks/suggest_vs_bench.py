@@ -28,31 +28,35 @@ def main() -> None:
     parser.add_argument("--remeasure", action="store_true", help="measure the CPU figures now")
     args = parser.parse_args()
     report = json.loads(args.bench_json.read_text())
-    spec = cpu(args.remeasure)
+    plans = [t for t in report["targets"] if t["kind"] == "plan" and not t["error"] and t["roofline"]]
+    checks = [validate_plan_file(t["spec"]) for t in plans]
+    models = {check.require_valid().model.path for check in checks}
+    if len(models) != 1:
+        raise SystemExit(f"the bench's plans run {len(models)} models; compare one model's plans at a time")
+    spec = cpu(checks[0].resolved.model, args.remeasure)
     cluster = Cluster(spec, spec.devices_per_node, 1)
     print(
-        f"cpu figures: copy bandwidth {spec.bandwidth / 1e9:.1f} GB/s, fp32 matmul {spec.flops32 / 1e9:.1f} GFLOP/s "
-        f"({spec.devices_per_node} cores), collective {spec.link_latency_s * 1e3:.3f} ms in the node (gloo "
-        f"{spec.network_latency_s * 1e3:.3f} ms); "
+        f"cpu figures: copy bandwidth {spec.bandwidth / 1e9:.1f} GB/s; at the model's decode shapes, the engine's "
+        f"linears {spec.flops32 / 1e9:.1f} GFLOP/s and decode attention {spec.attention_bandwidth / 1e9:.1f} GB/s of "
+        f"KV ({spec.devices_per_node} cores, one thread each); collective {spec.link_latency_s * 1e3:.3f} ms in the "
+        f"node (gloo {spec.network_latency_s * 1e3:.3f} ms); "
         f"bench copy bandwidth {report['bandwidth_bytes_s'].get('cpu', 0) / 1e9:.1f} GB/s"
     )
     print()
     print(
-        "| plan | batch | context | predicted step ms (mem / compute / comm / host) | measured ITL p50 ms "
-        "| measured / predicted | predicted capacity | allocated capacity |"
+        "| plan | batch | context | predicted step ms (max(weights, matmuls) / attention / comm / host) "
+        "| measured ITL p50 ms | measured / predicted | predicted capacity | allocated capacity |"
     )
     print("|---|---:|---:|---|---:|---:|---:|---:|")
-    for target in report["targets"]:
-        if target["kind"] != "plan" or target["error"] or not target["roofline"]:
-            continue
-        check = validate_plan_file(target["spec"])
+    for target, check in zip(plans, checks, strict=True):
         res = check.require_valid()
         roof = target["roofline"]
         context = round(roof["context_len"])
         step = plan_step(check, cluster, roof["batch"], context)
         measured = target["metrics"]["itl"]["p50"]
         allocated = target["num_blocks"] * res.plan.cache.block_size * res.plan.parallel.dcp
-        parts = " / ".join(f"{x * 1e3:.1f}" for x in (step.memory_s, step.compute_s, step.comm_s, step.overhead_s))
+        weights = f"max({step.memory_s * 1e3:.1f}, {step.compute_s * 1e3:.1f})"
+        parts = " / ".join([weights, *(f"{x * 1e3:.1f}" for x in (step.attention_s, step.comm_s, step.overhead_s))])
         print(
             f"| {target['label']} | {roof['batch']:.1f} | {context} | {step.seconds * 1e3:.1f} ({parts}) "
             f"| {measured * 1e3:.1f} | {measured / step.seconds:.2f} | {res.kv.token_capacity:,} | {allocated:,} |"

@@ -323,8 +323,10 @@ def suggest_cmd(
     ] = False,
 ) -> None:
     """Every layout the plan checks accept for MODEL on a cluster, with its capacity and a roofline decode step."""
+    planned = planned_model(model)
     spec = device_spec(
         device,
+        planned.info,
         remeasure,
         memory=_figure("--memory", memory),
         bandwidth=_figure("--bandwidth", bandwidth),
@@ -337,7 +339,7 @@ def suggest_cmd(
         if kv_bytes is None:
             raise UserError(f"--kv-memory {kv_memory!r} must be a size such as 1GiB, not a fraction")
     cluster = Cluster(spec, devices if devices is not None else spec.devices_per_node, nodes)
-    request = Request(planned_model(model), cluster, context, concurrency, dtype, block_size, kv_bytes, optimize)
+    request = Request(planned, cluster, context, concurrency, dtype, block_size, kv_bytes, optimize)
     if pd:
         _suggest_pd(request, top, show_all, as_json, write, pick)
         return

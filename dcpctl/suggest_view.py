@@ -116,8 +116,9 @@ def render_collectives(console: Console, c: Candidate, label: str) -> None:
     """How `c`'s roofline step adds up, and each collective of it."""
     step = c.step
     console.print(
-        f"{label} {c.name}: step {ms(step.seconds)} ms = max(memory {ms(step.memory_s)}, compute {ms(step.compute_s)}) "
-        f"+ collectives {ms(step.comm_s)} + host {ms(step.overhead_s)} at {c.batch} sequence(s) per engine",
+        f"{label} {c.name}: step {ms(step.seconds)} ms = max(weights {ms(step.memory_s)}, matmuls "
+        f"{ms(step.compute_s)}) + attention {ms(step.attention_s)} + collectives {ms(step.comm_s)} + host "
+        f"{ms(step.overhead_s)} at {c.batch} sequence(s) per engine",
         highlight=False,
     )
     if not step.collectives:
@@ -213,6 +214,7 @@ def candidate_dict(c: Candidate) -> dict[str, Any]:
         "step": {
             "memory_s": step.memory_s,
             "compute_s": step.compute_s,
+            "attention_s": step.attention_s,
             "comm_s": step.comm_s,
             "overhead_s": step.overhead_s,
             "bytes_read": step.bytes_read,

@@ -3,21 +3,28 @@ and the ranking follows the facts that decide it."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
 import sys
 from dataclasses import replace
+from functools import partial
 
 import pytest
 from typer.testing import CliRunner
 
 from dcpctl.cli import app
 from engine import devices
+from engine.attention.cpu_backend import CpuBackend
 from engine.checkpoints.aliases import KNOWN_ALIASES
+from engine.checkpoints.model_info import read_model_info
 from engine.errors import UserError
+from engine.kernels.cpu_gemm import PackableLinear
 from engine.plan.checks import validate_plan_file
-from engine.suggest import measure
+from engine.runtime.model_runner import ModelRunner
+from engine.suggest import decode_timing, measure
+from engine.suggest.decode_timing import DecodeShapes, decode_shapes
 from engine.suggest.figures import Cluster, expert_fraction
 from engine.suggest.hardware import DeviceSpec, parse_figure, preset
 from engine.suggest.models import SHIPPED, planned_model
@@ -42,6 +49,7 @@ TEST_CPU = DeviceSpec(
     network_latency_s=200e-6,
     source="test figures",
     layer_overhead_s=0.3e-3,
+    dcp_layer_overhead_s=0.6e-3,
     shared=True,
     devices_per_node=2,
 )
@@ -215,24 +223,116 @@ def test_figures_parse():
         parse_figure("--memory", "lots")
 
 
-def test_cpu_figures_come_from_the_cache(tmp_path, monkeypatch):
+def test_cpu_figures_come_from_the_cache(tmp_path, monkeypatch, no_pulled_models):
     cache = tmp_path / "cpu.json"
     monkeypatch.setenv("DCPCTL_CPU_FIGURES", str(cache))
-    figures = {
-        "bandwidth": 1.5e10,
-        "flops32_per_core": 2e10,
-        "collective_latency_s": 1e-4,
-        "shm_collective_latency_s": 1e-5,
+    smol, llama = (decode_shapes(planned_model(m).info) for m in ("smollm2-135m-instruct", "llama-3.1-8b-instruct"))
+    machine = {"bandwidth": 1.5e10, "collective_latency_s": 1e-4, "shm_collective_latency_s": 1e-5}
+    decode = {
+        "linear_flops_per_core": 2e10,
+        "attention_bytes_per_core": 5e9,
+        "linear_flops_one_rank": 3e10,
+        "attention_bytes_one_rank": 8e9,
+        "layer_host_s": 3e-4,
+        "dcp_layer_host_s": 6e-4,
     }
-    cache.write_text(json.dumps({"machine": measure.machine_key(), "figures": figures}))
-    assert measure.cpu_figures() == figures
-    # another machine's figures are not reused, nor figures from before a figure was measured
+    entry = {"machine": measure.machine_key(), "version": measure.CACHE_VERSION, "figures": machine}
+    entry["decode"] = {smol.key: decode}
+    cache.write_text(json.dumps(entry))
+    assert measure.cpu_figures(smol) == {**machine, **decode}
+    # another model's shapes: only its decode figures are measured, and filed beside the first model's
+    runs = []
+
+    def measured(cmd, **kwargs):
+        runs.append(cmd)
+        out = {"decode": {**decode, "layer_host_s": 1e-4}}
+        return subprocess.CompletedProcess(cmd, 0, json.dumps(out) + "\n", "")
+
+    monkeypatch.setattr(measure.subprocess, "run", measured)
+    assert measure.cpu_figures(llama)["layer_host_s"] == 1e-4
+    sent = json.loads(runs[0][runs[0].index("--shapes") + 1])
+    assert "--machine" not in runs[0] and DecodeShapes.from_dict(sent) == llama
+    assert set(json.loads(cache.read_text())["decode"]) == {smol.key, llama.key}
+    assert measure.cpu_figures(llama)["layer_host_s"] == 1e-4 and len(runs) == 1  # cached now
+    # another machine's figures are not reused, nor figures from before a figure was measured or measured otherwise
     monkeypatch.setattr(measure.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("measured")))
-    older = {k: v for k, v in figures.items() if k != "shm_collective_latency_s"}
-    for machine, cached in ((measure.machine_key(), older), ({**measure.machine_key(), "cpu": "other"}, figures)):
-        cache.write_text(json.dumps({"machine": machine, "figures": cached}))
+    older = {k: v for k, v in machine.items() if k != "shm_collective_latency_s"}
+    for changed in (
+        {"figures": older},
+        {"machine": {**measure.machine_key(), "cpu": "other"}},
+        {"version": measure.CACHE_VERSION - 1},
+    ):
+        cache.write_text(json.dumps({**entry, **changed}))
         with pytest.raises(RuntimeError, match="measured"):
-            measure.cpu_figures()
+            measure.cpu_figures(smol)
+
+
+def test_decode_shapes_are_the_models(no_pulled_models):
+    """The linear layers the `cpu` figures time are the model's: per decode token they hold exactly the matmul
+    elements the roofline charges (biases and an MoE router aside), and the attention has the model's heads."""
+    smol = planned_model("smollm2-135m-instruct").info
+    shapes = decode_shapes(smol)
+    assert [(s.out_features, s.in_features, s.count) for s in shapes.linears] == [
+        (960, 576, 30),  # q, k, v: (9 + 2 x 3) heads x 64
+        (576, 576, 30),  # o_proj
+        (3072, 576, 30),  # gate and up: 2 x 1536
+        (576, 1536, 30),  # down_proj
+        (49152, 576, 1),  # the LM head (tied to the embedding)
+    ]
+    assert (shapes.heads, shapes.kv_heads, shapes.key_dim, shapes.value_dim) == (9, 3, 64, 64)
+    assert (shapes.tiny_arch, shapes.tiny_sizes["num_layers"], shapes.tiny_sizes["num_kv_heads"]) == ("llama", 30, 3)
+    for name, tolerance in (("smollm2-135m-instruct", 0), ("llama-3.1-8b-instruct", 0), ("deepseek-v2-lite", 2e-3)):
+        model = planned_model(name)
+        result = suggest(Request(model, Cluster(TEST_CPU, 1, 1), 1024, 1, kv_memory=GiB, dtype="float32"))
+        one = _by_layout(result, 1, 1)
+        charged = one.step.compute_s * TEST_CPU.flops32 / (2 * one.batch)  # matmul elements per token
+        timed = sum(s.elements * s.count for s in decode_shapes(model.info).linears)
+        assert timed == pytest.approx(charged, rel=tolerance, abs=0), name
+    mla = decode_shapes(planned_model("deepseek-v2-lite").info)
+    assert (mla.kv_heads, mla.key_dim, mla.value_dim, mla.value_in_key) == (1, 576, 512, True)
+    assert DecodeShapes.from_dict(json.loads(json.dumps(mla.to_dict()))) == mla
+
+
+def test_cpu_step_uses_the_figures_of_how_ranks_share_the_cores(no_pulled_models):
+    """A lone rank on a CPU node runs at the node's single-rank figures (its threads wait for each other at every
+    layer); ranks that share the node at the per-core ones; a DCP rank pays the DCP host time per layer."""
+    model = planned_model("smollm2-135m-instruct")
+    request = partial(Request, model, context=2048, concurrency=8, kv_memory=GiB, objective="latency")
+    lone = replace(TEST_CPU, single_rank_flops=TEST_CPU.flops32 / 2, single_rank_attention_bandwidth=1e9)
+    base, slow = suggest(request(Cluster(TEST_CPU, 2, 1))), suggest(request(Cluster(lone, 2, 1)))
+    one, one_slow = _by_layout(base, 1, 1), _by_layout(slow, 1, 1)
+    assert one_slow.step.compute_s == pytest.approx(2 * one.step.compute_s)
+    assert one_slow.step.kv_s == pytest.approx(one.step.kv_s * TEST_CPU.bandwidth / 1e9)
+    assert one.step.overhead_s == pytest.approx(model.info.num_layers * TEST_CPU.layer_overhead_s)
+    two, two_slow = _by_layout(base, 1, 2, 1, sharded=True, comm="a2a"), _by_layout(slow, 1, 2, 1, True, "a2a")
+    assert two_slow.step == two.step
+    assert two.step.overhead_s == pytest.approx(model.info.num_layers * TEST_CPU.dcp_layer_overhead_s)
+    # the attention is a phase of its own: its KV read is not hidden under the matmuls
+    step = one.step
+    assert step.seconds == pytest.approx(
+        max(step.memory_s, step.compute_s) + max(step.kv_s, step.attention_compute_s) + step.overhead_s
+    )
+
+
+@pytest.mark.slow
+def test_decode_timing_runs_the_engines_code(tiny_models, monkeypatch):
+    """Every `cpu` figure of a model is measured through the engine's own layers and step, at its shapes."""
+    monkeypatch.setattr(decode_timing, "COLD_BYTES", 2**20)
+    info = read_model_info(tiny_models("llama", num_kv_heads=1))
+    shapes = decode_shapes(info)
+    calls = collections.Counter()
+    for owner, name in ((PackableLinear, "project"), (CpuBackend, "paged"), (ModelRunner, "execute")):
+        original = getattr(owner, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+    figures = decode_timing.decode_figures(shapes)
+    assert set(figures) == set(measure.DECODE_FIGURES)
+    assert all(0 < v < float("inf") for v in figures.values())
+    assert calls["project"] and calls["paged"] and calls["execute"] == 2 * (decode_timing.HOST_REPEATS + 2)
 
 
 def test_cli_table_json_and_write(tmp_path, monkeypatch, no_pulled_models):

@@ -4,11 +4,17 @@ Capacity comes from the plan check's own KV sizing (`engine.plan.kv_sizing`, wha
 rank from `engine.placement.weights`, collectives from `engine.placement.collectives`, the KV a rank reads from the
 DCP math (`engine.dcp.local_len`). The decode step at `batch` sequences of `context` tokens is
 
-    max(bytes read / memory bandwidth, FLOPs / matmul throughput) + collectives + host overhead per layer
+    max(weight bytes / memory bandwidth, matmul FLOPs / matmul throughput)
+    + max(KV bytes / attention bandwidth, attention FLOPs / matmul throughput)
+    + collectives + host overhead per layer
 
-where ranks that share a memory system and cores (a CPU node) add up their bytes and FLOPs, each collective costs
-its latency plus its bytes over the link (the network when its group spans nodes), and the MoE experts read per step
-are the distinct ones `batch` tokens of `experts_per_token` choices are expected to reach.
+the linear layers and the attention each a roofline of their own, as the engine runs them one after the other. Ranks
+that share a memory system and cores (a CPU node) add up their bytes and FLOPs (a lone rank on a CPU node runs at the
+node's single-rank figures); the attention reads KV at the device's attention bandwidth where it has one below its
+memory bandwidth (cpu: the engine's decode attention as measured; GPU presets: the memory bandwidth); each collective
+costs its latency plus its bytes over the link (the network when its group spans nodes); the host time per layer is
+the device's for the layout's kind (dcp 1, or dcp > 1 with its combine; GPU presets: none); the MoE experts read per
+step are the distinct ones `batch` tokens of `experts_per_token` choices are expected to reach.
 """
 
 from __future__ import annotations
@@ -64,22 +70,33 @@ class StepCollective:
 class DecodeStep:
     """The roofline of one decode step, in seconds, and what decides it."""
 
-    memory_s: float
-    compute_s: float
+    memory_s: float  # the linear layers' weights read
+    compute_s: float  # the linear layers' matmuls
+    kv_s: float  # the decode attention's KV read
+    attention_compute_s: float  # the decode attention's FLOPs
     comm_s: float
     overhead_s: float
-    bytes_read: float  # by the busiest memory system
-    flops: float  # on the busiest compute share
+    bytes_read: float  # by the busiest memory system: weights and KV
+    flops: float  # on the busiest compute share: matmuls and attention
     collectives: tuple[StepCollective, ...]
 
     @property
     def seconds(self) -> float:
-        return max(self.memory_s, self.compute_s) + self.comm_s + self.overhead_s
+        return max(self.memory_s, self.compute_s) + self.attention_s + self.comm_s + self.overhead_s
+
+    @property
+    def attention_s(self) -> float:
+        """The decode attention: its KV read or its FLOPs, whichever takes longer."""
+        return max(self.kv_s, self.attention_compute_s)
 
     @property
     def bound(self) -> str:
-        """What limits the step: memory, compute or communication."""
-        parts = {"memory": self.memory_s, "compute": self.compute_s, "communication": self.comm_s}
+        """What limits the step: memory (weights and KV read), compute or communication."""
+        parts = {
+            "memory": self.memory_s + self.kv_s,
+            "compute": self.compute_s + self.attention_compute_s,
+            "communication": self.comm_s,
+        }
         return max(parts, key=parts.__getitem__)
 
 
@@ -163,19 +180,26 @@ def decode_step(
     spec = cluster.spec
     ranks_sharing = layout.world_size // cluster.nodes_of(layout.world_size) if spec.shared else 1
     tokens_read = max(dcp.local_len(context, r, interleave, layout.dcp) for r in range(layout.dcp))
-    busiest_read = busiest_flops = 0.0
+    weights_read = matmul_flops = 0.0
     for rank in range(layout.world_size):
         read, elements = _weight_reads(weight_shares(placement, rank), model, batch, dtype_bytes)
-        busiest_read = max(busiest_read, read + batch * tokens_read * kv.bytes_per_token)
-        flops = 2.0 * batch * elements + batch * _attention_flops(layout, model, tokens_read)
-        busiest_flops = max(busiest_flops, flops)
+        weights_read, matmul_flops = max(weights_read, read), max(matmul_flops, 2.0 * batch * elements)
+    kv_read = batch * tokens_read * kv.bytes_per_token
+    attention_flops = batch * _attention_flops(layout, model, tokens_read)
+    flops, attention_bandwidth = spec.flops(dtype_bytes), spec.attention_bandwidth
+    if spec.shared and ranks_sharing == 1:  # one rank on all the node's cores
+        flops = spec.single_rank_flops or flops
+        attention_bandwidth = spec.single_rank_attention_bandwidth or attention_bandwidth
+    kv_bandwidth = min(spec.bandwidth, attention_bandwidth or spec.bandwidth)
     steps = _step_collectives(collectives(placement, dtype_bytes), layout, cluster, batch)
     return DecodeStep(
-        memory_s=ranks_sharing * busiest_read / spec.bandwidth,
-        compute_s=ranks_sharing * busiest_flops / spec.flops(dtype_bytes),
+        memory_s=ranks_sharing * weights_read / spec.bandwidth,
+        compute_s=ranks_sharing * matmul_flops / flops,
+        kv_s=ranks_sharing * kv_read / kv_bandwidth,
+        attention_compute_s=ranks_sharing * attention_flops / flops,
         comm_s=sum(c.seconds for c in steps),
-        overhead_s=spec.layer_overhead_s * model.num_layers,
-        bytes_read=ranks_sharing * busiest_read,
-        flops=ranks_sharing * busiest_flops,
+        overhead_s=(spec.dcp_layer_overhead_s if layout.dcp > 1 else spec.layer_overhead_s) * model.num_layers,
+        bytes_read=ranks_sharing * (weights_read + kv_read),
+        flops=ranks_sharing * (matmul_flops + attention_flops),
         collectives=steps,
     )

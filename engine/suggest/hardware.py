@@ -7,8 +7,10 @@ sheet quotes) and across nodes (one 400 Gb/s NIC per GPU, as in DGX H100/H200/B2
 Collective latencies are not in data sheets: the presets assume NCCL/RCCL's small-message latency (~10 us inside a
 node, ~20 us across nodes); they matter only for steps made of many small collectives.
 
-`cpu` is measured (`engine.suggest.measure`): copy bandwidth, matmul throughput per core, gloo collective latency.
-Its ranks share one memory system and the cores (`shared` = True), as the engine runs them.
+`cpu` is measured (`engine.suggest.measure`): copy bandwidth, collective latencies, and at the model's decode shapes
+the engine's own linear layers (FLOP/s), decode attention (KV bytes/s) and host time per layer, for a rank per core
+and for one rank on all cores (`engine.suggest.decode_timing`). Its ranks share one memory system and the cores
+(`shared` = True), as the engine runs them.
 """
 
 from __future__ import annotations
@@ -18,15 +20,13 @@ import re
 from dataclasses import dataclass, replace
 
 from engine import devices
+from engine.checkpoints.model_info import ModelInfo
 from engine.errors import UserError
 
 GB = 10**9
 TB = 10**12
 TFLOPS = 10**12
 NIC_400G = 50 * GB  # one 400 Gb/s InfiniBand NDR / RoCE port per GPU
-CPU_LAYER_OVERHEAD_S = 0.3e-3
-"""Host time per decoder layer per decode step of the engine on CPU (Python and small ops: ~8-10 ms over SmolLM2's
-30 layers, benchmarks/RESULTS.md issue 3). GPU presets leave it 0: their step time is the pure roofline."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,13 @@ class DeviceSpec:
     link_latency_s: float  # per collective inside a node
     network_latency_s: float  # per collective that crosses nodes
     source: str
-    layer_overhead_s: float = 0.0
+    attention_bandwidth: float | None = None  # KV bytes/s decode attention reads (cpu: measured); None: `bandwidth`
+    # cpu: the node's matmul FLOP/s and attention KV bytes/s when one rank runs on all its cores (its threads wait
+    # for each other at every layer), where the figures above are a rank per core's; None: the same
+    single_rank_flops: float | None = None
+    single_rank_attention_bandwidth: float | None = None
+    layer_overhead_s: float = 0.0  # host time per layer of a decode step (cpu: measured; GPU presets: 0, the roofline)
+    dcp_layer_overhead_s: float = 0.0  # the same on a rank of a layout with dcp > 1 (its combine's small ops)
     shared: bool = False  # ranks of a node share its memory, bandwidth and cores (cpu)
     devices_per_node: int = 8  # a node's devices when --devices is not given
 
@@ -154,17 +160,20 @@ def custom(memory: float | None, bandwidth: float | None, flops: float | None, l
     return _gpu("custom", memory, bandwidth, flops, link, "given on the command line")
 
 
-def cpu(remeasure: bool = False) -> DeviceSpec:
-    """This machine's CPU as one node: free RAM, measured bandwidth, matmul throughput and collective latency (the
-    shared-memory collectives' inside the node, as `launch.cpu_comm=auto` runs them; gloo's between nodes).
+def cpu(model: ModelInfo, remeasure: bool = False) -> DeviceSpec:
+    """This machine's CPU as one node for `model`: free RAM, measured bandwidth and collective latency (the
+    shared-memory collectives' inside the node, as `launch.cpu_comm=auto` runs them; gloo's between nodes), and the
+    engine's linear layers, decode attention and host work per layer timed at the model's decode shapes (a rank per
+    core, and one rank on all cores).
 
     Its ranks share everything; 16-bit matmuls are taken at the measured fp32 rate (CPUs without AMX gain little).
     """
+    from engine.suggest.decode_timing import decode_shapes
     from engine.suggest.measure import cpu_figures, figures_file
 
-    figures = cpu_figures(remeasure)
+    figures = cpu_figures(decode_shapes(model), remeasure)
     cores = devices.cpu_cores()
-    flops = figures["flops32_per_core"] * cores
+    flops = figures["linear_flops_per_core"] * cores
     return DeviceSpec(
         name="cpu",
         kind="cpu",
@@ -176,8 +185,12 @@ def cpu(remeasure: bool = False) -> DeviceSpec:
         network_bandwidth=NIC_400G,
         link_latency_s=figures["shm_collective_latency_s"] or figures["collective_latency_s"],
         network_latency_s=figures["collective_latency_s"],
+        attention_bandwidth=figures["attention_bytes_per_core"] * cores,
+        single_rank_flops=figures["linear_flops_one_rank"],
+        single_rank_attention_bandwidth=figures["attention_bytes_one_rank"],
         source=f"measured on this machine ({cores} cores; cached in {figures_file()}, --remeasure to redo)",
-        layer_overhead_s=CPU_LAYER_OVERHEAD_S,
+        layer_overhead_s=figures["layer_host_s"],
+        dcp_layer_overhead_s=figures["dcp_layer_host_s"],
         shared=True,
         devices_per_node=cores,
     )
@@ -201,16 +214,20 @@ def parse_figure(option: str, text: str) -> float:
 
 def device_spec(
     name: str,
+    model: ModelInfo,
     remeasure: bool = False,
     memory: float | None = None,
     bandwidth: float | None = None,
     flops: float | None = None,
     link: float | None = None,
 ) -> DeviceSpec:
-    """The device `--device NAME` names, with the figures given on the command line in place of its own."""
+    """The device `--device NAME` names (`cpu`: measured for `model`), with the figures given on the command line
+    in place of its own."""
     if name == "custom":
         return custom(memory, bandwidth, flops, link)
-    spec = cpu(remeasure) if name == "cpu" else preset(name)
+    spec = cpu(model, remeasure) if name == "cpu" else preset(name)
+    if flops is not None:  # the figure given stands for every layout
+        spec = replace(spec, single_rank_flops=None)
     return with_figures(
         spec,
         memory_bytes=memory,

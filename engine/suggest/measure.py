@@ -1,19 +1,25 @@
 """Measuring this machine's CPU for planning (the `cpu` device) and for the bench roofline.
 
 - memory bandwidth: a large tensor copy (bytes read + written over the best time, like STREAM's copy);
-- matmul throughput per core: fp32 `F.linear` at a decode-sized batch on one thread;
 - collective latency: a small all-gather between two local processes, through gloo (what ranks on different nodes
-  use) and through the engine's shared-memory collectives (`engine.shm_comm`, what ranks of one node use).
+  use) and through the engine's shared-memory collectives (`engine.shm_comm`, what ranks of one node use), each
+  call after a layer's worth of work on every rank, as in a decode step;
+- per model (its decode shapes, `engine.suggest.decode_timing`): the engine's linear layers' FLOP/s and its decode
+  attention's KV bytes/s (per core, and of one rank on all cores), and its host time per layer of a decode step
+  (one-rank and DCP layouts).
 
 `cpu_figures` measures once in a fresh interpreter (so the caller holds no torch state) and caches the result per
-machine (CPU model, cores, torch version) in `figures_file()`; `--remeasure` ignores the cache.
+machine (CPU model, cores, torch version) in `figures_file()`, the per-model figures under their shapes (a model
+not measured before costs a few seconds); `--remeasure` ignores the cache.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import random
 import subprocess
 import sys
 import tempfile
@@ -23,10 +29,15 @@ from pathlib import Path
 from engine import devices
 from engine.errors import UserError
 from engine.io_utils import atomic_write_text
+from engine.suggest.decode_timing import DecodeShapes, decode_figures
 
 COPY_BYTES = 256 * 2**20  # well beyond the last-level cache of the CPUs and GPUs this runs on
-MATMUL_SHAPE = (8, 2048, 2048)  # rows (decode batch), in, out
 COLLECTIVE_ITERS = 200
+# work between two collectives of the latency loop, about a decode layer's on CPU, each rank's varying by up to
+# +-WORK_JITTER: ranks that come from work reach a collective apart by more than its spin-wait covers (the waiter
+# sleeps and is woken), unlike calls back to back, which measure only the spin-wait's few microseconds
+LAYER_WORK_S = 200e-6
+WORK_JITTER = 0.1
 
 
 def copy_bandwidth(device: str = "cpu", size_bytes: int = COPY_BYTES, repeats: int = 5) -> float:
@@ -48,37 +59,28 @@ def copy_bandwidth(device: str = "cpu", size_bytes: int = COPY_BYTES, repeats: i
     return 2 * n * 4 / best
 
 
-def matmul_flops_per_core(repeats: int = 20) -> float:
-    """fp32 FLOP/s of one thread on a decode-sized `F.linear` (best of `repeats`)."""
-    import torch
-    import torch.nn.functional as F
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        rows, k, n = MATMUL_SHAPE
-        x, w = torch.randn(rows, k), torch.randn(n, k)
-        F.linear(x, w)
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            F.linear(x, w)
-            best = min(best, time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(threads)
-    return 2 * rows * k * n / best
+def _busy(seconds: float) -> None:
+    """Keep this core busy for `seconds` (as a layer's work does)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
-def _seconds_per_call(call) -> float:
+def _seconds_per_call(call, rank: int) -> float:
+    """Seconds `call` adds to each iteration of a loop that works about `LAYER_WORK_S` between calls on every rank
+    (each rank's work varying by up to `WORK_JITTER` of it, as two ranks' layers do: the slower one is waited for)."""
     import torch.distributed as dist
 
+    draw = random.Random(rank)
+    works = [LAYER_WORK_S * draw.uniform(1 - WORK_JITTER, 1 + WORK_JITTER) for _ in range(COLLECTIVE_ITERS)]
     for _ in range(10):
         call()
     dist.barrier()
     start = time.perf_counter()
-    for _ in range(COLLECTIVE_ITERS):
+    for work in works:
+        _busy(work)
         call()
-    return (time.perf_counter() - start) / COLLECTIVE_ITERS
+    return (time.perf_counter() - start) / COLLECTIVE_ITERS - LAYER_WORK_S
 
 
 def _collective_worker(rank: int, store_dir: str, out: str) -> None:
@@ -91,9 +93,9 @@ def _collective_worker(rank: int, store_dir: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(f"{store_dir}/store", 2), rank=rank, world_size=2)
     part = torch.zeros(1, 256)
-    latency = {"gloo": _seconds_per_call(lambda: GroupComm(dist.group.WORLD).all_gather_rows(part))}
+    latency = {"gloo": _seconds_per_call(lambda: GroupComm(dist.group.WORLD).all_gather_rows(part), rank)}
     shm = shm_comm.attach(dist.group.WORLD, 60.0)
-    latency["shm"] = None if isinstance(shm, str) else _seconds_per_call(lambda: shm.all_gather_rows(part))
+    latency["shm"] = None if isinstance(shm, str) else _seconds_per_call(lambda: shm.all_gather_rows(part), rank)
     dist.barrier()
     if rank == 0:
         Path(out).write_text(json.dumps(latency))
@@ -132,45 +134,82 @@ def machine_key() -> dict[str, str | int]:
     return {"cpu": model, "cores": devices.cpu_cores(), "torch": version("torch")}
 
 
-FIGURES = ("bandwidth", "flops32_per_core", "collective_latency_s", "shm_collective_latency_s")
+FIGURES = ("bandwidth", "collective_latency_s", "shm_collective_latency_s")
+CACHE_VERSION = 2  # 2: collective latency with work between calls, per-model decode figures
+DECODE_FIGURES = (
+    "linear_flops_per_core",
+    "attention_bytes_per_core",
+    "linear_flops_one_rank",
+    "attention_bytes_one_rank",
+    "layer_host_s",
+    "dcp_layer_host_s",
+)
 
 
-def cpu_figures(remeasure: bool = False, timeout_s: float = 300.0) -> dict[str, float | None]:
-    """{bandwidth, flops32_per_core, collective_latency_s (gloo), shm_collective_latency_s (None: no shared-memory
-    collectives here)} of this machine, from the cache or measured now."""
-    path, key = figures_file(), machine_key()
-    if not remeasure:
-        try:
-            cached = json.loads(path.read_text())
-            if cached.get("machine") == key and set(FIGURES) <= set(cached["figures"]):
-                return cached["figures"]
-        except (OSError, ValueError, AttributeError, KeyError):
-            pass
+def _cached(path: Path, key: dict) -> dict:
+    """The cache file's entry for this machine ({} when absent, unreadable, another machine's or measured the way
+    an older `CACHE_VERSION` did)."""
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    same = isinstance(cached, dict) and cached.get("machine") == key and cached.get("version") == CACHE_VERSION
+    return cached if same else {}
+
+
+def _measure(machine: bool, shapes: DecodeShapes, timeout_s: float) -> dict:
+    """Measure in a fresh interpreter: {"figures": ... (when `machine`), "decode": ...}."""
+    cmd = [sys.executable, "-m", "engine.suggest.measure", "--shapes", json.dumps(shapes.to_dict())]
     proc = subprocess.run(
-        [sys.executable, "-m", "engine.suggest.measure"], capture_output=True, text=True, timeout=timeout_s, check=False
+        cmd + (["--machine"] if machine else []), capture_output=True, text=True, timeout=timeout_s, check=False
     )
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         raise UserError(f"measuring this CPU failed: {tail}; give --bandwidth/--flops figures instead")
-    figures = json.loads(proc.stdout.strip().splitlines()[-1])
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps({"machine": key, "figures": figures, "measured_at": time.time()}))
-    except OSError:
-        pass  # an unwritable cache only costs a measurement next time
-    return figures
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def cpu_figures(shapes: DecodeShapes, remeasure: bool = False, timeout_s: float = 300.0) -> dict[str, float | None]:
+    """{bandwidth, collective_latency_s (gloo), shm_collective_latency_s (None: no shared-memory collectives here),
+    and the engine's decode work at `shapes` (`decode_timing.decode_figures`)} of this machine, from the cache or
+    measured now."""
+    path, key = figures_file(), machine_key()
+    cached = {} if remeasure else _cached(path, key)
+    figures = cached.get("figures")
+    decode = cached.get("decode") if isinstance(cached.get("decode"), dict) else {}
+    machine = not isinstance(figures, dict) or not set(FIGURES) <= set(figures)
+    measured_decode = decode.get(shapes.key)
+    if machine or not isinstance(measured_decode, dict) or not set(DECODE_FIGURES) <= set(measured_decode):
+        measured = _measure(machine, shapes, timeout_s)
+        figures = measured["figures"] if machine else figures
+        decode = {} if machine else decode  # figures of another measurement day are not mixed with today's
+        measured_decode = decode[shapes.key] = measured["decode"]
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            entry = {"machine": key, "version": CACHE_VERSION, "figures": figures, "decode": decode}
+            text = json.dumps({**entry, "measured_at": time.time()})
+            atomic_write_text(path, text)
+        except OSError:
+            pass  # an unwritable cache only costs a measurement next time
+    return {**figures, **measured_decode}
 
 
 def main() -> None:
-    """Print this machine's CPU figures as JSON (what `cpu_figures` reads)."""
-    latency = collective_latency()
-    figures = {
-        "bandwidth": copy_bandwidth(),
-        "flops32_per_core": matmul_flops_per_core(),
-        "collective_latency_s": latency["gloo"],
-        "shm_collective_latency_s": latency["shm"],
-    }
-    print(json.dumps(figures))
+    """Print this machine's CPU figures as JSON (what `cpu_figures` reads): --shapes JSON (a `DecodeShapes`) for
+    the engine's decode work at a model's shapes, --machine for the machine's own figures as well."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--shapes", required=True)
+    parser.add_argument("--machine", action="store_true")
+    args = parser.parse_args()
+    out: dict = {"decode": decode_figures(DecodeShapes.from_dict(json.loads(args.shapes)))}
+    if args.machine:
+        latency = collective_latency()
+        out["figures"] = {
+            "bandwidth": copy_bandwidth(),
+            "collective_latency_s": latency["gloo"],
+            "shm_collective_latency_s": latency["shm"],
+        }
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

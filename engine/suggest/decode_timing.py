@@ -1,0 +1,302 @@
+"""The engine's own decode work, timed on this CPU at a model's shapes (what the `cpu` roofline's figures are).
+
+A decode step on CPU is the linear layers at a few rows, the paged decode attention over each sequence's cached
+tokens, and the host work around them. Each is timed here with the engine's code, on one thread (a rank per core)
+and on one rank's threads over all cores (a lone rank, whose threads wait for each other at every parallel region):
+
+- linears: `engine.layers.linear.ReplicatedLinear`, packed as the engine packs it (GEMV or the GEMM `pack` picks),
+  at `DECODE_ROWS` rows over each of the model's weight shapes (one decoder layer's projections and the LM head)
+  -> matmul FLOP/s at the model's decode shapes, each shape weighted as the model's layers weigh it;
+- attention: the CPU backend's paged decode (`CpuBackend.paged`) of `DECODE_ROWS` sequences of `DECODE_CONTEXT`
+  tokens at the model's heads and head dims -> KV bytes read per second;
+- host work: the engine's whole decode step (`LLMEngine.step`: schedule, inputs and attention metadata, every
+  layer, the logits, greedy sampling, detokenizing) on a tiny random checkpoint of the model's architecture, depth
+  and heads (`engine.checkpoints.tiny`: widths so small that the step is its host work: Python, op dispatch,
+  small ops), for rank 0 of a one-rank layout and of a tp 1 / dcp 2 layout (its DCP combine and dense-layer splits
+  included, the collectives themselves left out: one process runs rank 0 alone, and a group of one rank sends
+  nothing), with the threads the engine gives such a rank on this node -> seconds per layer.
+
+Each shape's weights (each layer's cache) are allocated in enough copies to fill `COLD_BYTES` and timed one copy
+after the other, so that a pass reads them from memory, as a step reads a model larger than the caches.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from engine.checkpoints.model_info import ModelInfo
+
+DECODE_ROWS = 8  # sequences in a decode step (the rows of each linear layer's input)
+DECODE_CONTEXT = 512  # cached tokens per sequence the attention reads
+BLOCK_SIZE = 64  # cache.block_size of the attention timing (the plans' default)
+COLD_BYTES = 64 * 2**20  # per shape: twice the last-level cache of the CPUs this runs on
+ELEMENT_BYTES = 4  # fp32, the dtype the `cpu` figures are measured in
+HOST_CONTEXT = 16  # cached tokens per sequence of the host timing: too few for the attention to count
+HOST_REPEATS = 30
+TINY_MAX_EXPERTS = 64
+TINY_ARCHS = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v2",
+}
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One kind of linear layer: an [out, in] weight used `count` times per decode step."""
+
+    out_features: int
+    in_features: int
+    count: int
+
+    @property
+    def elements(self) -> int:
+        return self.out_features * self.in_features
+
+
+@dataclass(frozen=True)
+class DecodeShapes:
+    """The shapes a decode step of a model runs at (one rank holding the whole model)."""
+
+    linears: tuple[LinearShape, ...]
+    heads: int  # query heads attending
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+    value_in_key: bool  # MLA: values are the first value_dim dims of the (latent) keys
+    tiny_arch: str  # the host timing's checkpoint (engine.checkpoints.tiny): architecture and sizes
+    tiny_sizes: dict
+
+    @property
+    def key(self) -> str:
+        """What the cached figures of these shapes are filed under."""
+        linears = ",".join(f"{s.out_features}x{s.in_features}x{s.count}" for s in self.linears)
+        attention = f"{self.heads}/{self.kv_heads}x{self.key_dim}/{self.value_dim}{'m' if self.value_in_key else ''}"
+        tiny = ",".join(f"{k}={v}" for k, v in sorted(self.tiny_sizes.items()))
+        return f"{linears};{attention};{self.tiny_arch}:{tiny}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DecodeShapes:
+        return cls(**{**data, "linears": tuple(LinearShape(**s) for s in data["linears"])})
+
+
+def decode_shapes(model: ModelInfo) -> DecodeShapes:
+    """The linear layers and attention of one decode step of `model` on one rank (tp 1, dcp 1)."""
+    hidden, layers, heads = model.hidden_size, model.num_layers, model.num_heads
+    if model.is_mla:
+        qk = model.qk_nope_head_dim + model.qk_rope_head_dim
+        latent = model.kv_lora_rank + model.qk_rope_head_dim
+        if model.q_lora_rank:
+            q = [LinearShape(model.q_lora_rank, hidden, layers), LinearShape(heads * qk, model.q_lora_rank, layers)]
+        else:
+            q = [LinearShape(heads * qk, hidden, layers)]
+        kv_b = heads * (model.qk_nope_head_dim + model.v_head_dim)
+        attention = [*q, LinearShape(latent, hidden, layers), LinearShape(kv_b, model.kv_lora_rank, layers)]
+        attention.append(LinearShape(hidden, heads * model.v_head_dim, layers))
+        kv_heads, key_dim, value_dim = 1, latent, model.kv_lora_rank
+    else:
+        d = model.head_dim
+        attention = [LinearShape((heads + 2 * model.num_kv_heads) * d, hidden, layers)]
+        attention.append(LinearShape(hidden, heads * d, layers))
+        kv_heads, key_dim, value_dim = model.num_kv_heads, d, d
+    moe_layers = layers - model.first_k_dense_replace if model.n_routed_experts else 0
+    mlp = []
+    if layers - moe_layers:
+        mlp += [LinearShape(2 * model.intermediate_size, hidden, layers - moe_layers)]
+        mlp += [LinearShape(hidden, model.intermediate_size, layers - moe_layers)]
+    if moe_layers:  # the experts each token runs (routed and shared), as one expert's projections
+        experts = moe_layers * (model.experts_per_token + model.n_shared_experts)
+        mlp += [LinearShape(2 * model.moe_intermediate_size, hidden, experts)]
+        mlp += [LinearShape(hidden, model.moe_intermediate_size, experts)]
+    lm_head = LinearShape(model.vocab_size, hidden, 1)
+    arch, sizes = tiny_like(model)
+    return DecodeShapes((*attention, *mlp, lm_head), heads, kv_heads, key_dim, value_dim, model.is_mla, arch, sizes)
+
+
+def tiny_like(model: ModelInfo) -> tuple[str, dict]:
+    """A tiny checkpoint's architecture and sizes with the model's depth, heads and kind of layers (MLA, MoE) and
+    widths that make its matmuls and attention negligible: what the host timing runs."""
+    # transformers wants the hidden size a multiple of the heads
+    sizes = {"num_layers": model.num_layers, "num_heads": model.num_heads, "tie_word_embeddings": False}
+    arch = TINY_ARCHS[model.architecture]
+    if arch == "deepseek_v2":
+        sizes["hidden_size"] = model.num_heads
+        # a step runs at most rows x experts_per_token routed experts: more experts add weights, not host work
+        experts = min(model.n_routed_experts, TINY_MAX_EXPERTS)
+        sizes.update(n_routed_experts=experts, n_shared_experts=model.n_shared_experts)
+        sizes.update(
+            num_experts_per_tok=model.experts_per_token or 1, first_k_dense_replace=model.first_k_dense_replace
+        )
+        sizes.update(q_lora_rank=8 if model.q_lora_rank else None, moe_intermediate_size=8)
+    else:
+        sizes.update(hidden_size=8 * model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=8)
+    return arch, sizes
+
+
+def _passes(run, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` calls of `run`, after one untimed call (first touch and warm-up)."""
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _best_pass(run, repeats: int) -> float:
+    return min(_passes(run, repeats))
+
+
+def linear_flops(shapes: DecodeShapes, rows: int = DECODE_ROWS, repeats: int = 5) -> float:
+    """fp32 FLOP/s of torch's threads (`torch.get_num_threads`) running the engine's linear layers at `rows` rows
+    over the model's shapes, each shape weighted by how many times a step runs it."""
+    import torch
+
+    from engine.layers.linear import ReplicatedLinear
+
+    seconds = flops = 0.0
+    for shape in shapes.linears:
+        # a very large weight (an LM head of 100k+ rows) is timed on a slice of its rows: its rate, not its size
+        out = max(1, min(shape.out_features, COLD_BYTES // (ELEMENT_BYTES * shape.in_features)))
+        copies = max(1, COLD_BYTES // (ELEMENT_BYTES * out * shape.in_features))
+        layers = []
+        for _ in range(copies):
+            layer = ReplicatedLinear(shape.in_features, out)
+            layer.weight.data.uniform_(-0.05, 0.05)
+            layer.pack()
+            layers.append(layer)
+        x = torch.randn(rows, shape.in_features)
+
+        def run(x=x, layers=layers) -> None:
+            for layer in layers:
+                layer(x)
+
+        per_element = _best_pass(run, repeats) / (copies * out * shape.in_features)
+        seconds += per_element * shape.elements * shape.count
+        flops += 2.0 * rows * shape.elements * shape.count
+    return flops / seconds
+
+
+def attention_bytes(
+    shapes: DecodeShapes, rows: int = DECODE_ROWS, context: int = DECODE_CONTEXT, repeats: int = 5
+) -> float:
+    """KV bytes per second torch's threads' paged decode attention (the engine's CPU backend) reads, at `rows`
+    sequences of `context` tokens of the model's heads."""
+    import torch
+
+    from engine.attention import kv_cache
+    from engine.attention.backend import PagedKV
+    from engine.attention.cpu_backend import CpuBackend
+
+    backend = CpuBackend()
+    kinds = 1 if shapes.value_in_key else 2
+    layer_bytes = rows * context * shapes.kv_heads * shapes.key_dim * kinds * ELEMENT_BYTES
+    layers = max(2, COLD_BYTES // layer_bytes)
+    blocks_per_seq = -(-context // BLOCK_SIZE)
+    storage, views = kv_cache.allocate(
+        layers,
+        rows * blocks_per_seq,
+        BLOCK_SIZE,
+        shapes.kv_heads,
+        shapes.key_dim,
+        shapes.value_in_key,
+        torch.float32,
+        torch.device("cpu"),
+        head_major=getattr(backend, "head_major_cache", False),
+    )
+    storage.uniform_(-1.0, 1.0)  # real pages: an untouched cache reads the kernel's shared zero page
+    tables = torch.arange(rows * blocks_per_seq, dtype=torch.int64).view(rows, blocks_per_seq)
+    kv = PagedKV(
+        block_tables=tables,
+        lens=torch.full((rows,), context, dtype=torch.int64),
+        query_start=torch.arange(rows + 1, dtype=torch.int64),
+        query_counts=[1] * rows,
+        local_lens=[context] * rows,
+        max_len=context,
+        block_size=BLOCK_SIZE,
+    )
+    q = torch.randn(rows, shapes.heads, shapes.key_dim)
+    scale = shapes.key_dim**-0.5
+
+    def run() -> None:
+        for keys, values in views:
+            backend.paged(q, keys, values, shapes.value_dim, kv, scale)
+
+    return layers * layer_bytes / _best_pass(run, repeats)
+
+
+def host_seconds_per_layer(folder: Path, dcp: int, layers: int, rows: int = DECODE_ROWS) -> float:
+    """Median seconds per layer of the engine's decode step (`LLMEngine.step`: schedule, run, sample, detokenize)
+    of `rows` greedy sequences on rank 0 of a tp 1 / `dcp` plan of the (tiny) checkpoint in `folder`, run in this
+    process alone, with the threads the engine gives each of the plan's ranks on this node."""
+    import torch
+    from transformers import AutoConfig
+
+    from engine import devices
+    from engine.attention.registry import create_backend
+    from engine.core.config import EngineConfig
+    from engine.core.engine import LLMEngine
+    from engine.core.sequence import SamplingParams
+    from engine.distributed import init_single
+    from engine.plan.checks import check_plan
+    from engine.plan.loader import LoadedPlan
+    from engine.plan.schema import Plan
+    from engine.runtime.model_runner import CacheLayout, ModelRunner
+
+    plan = Plan(name="host_timing")
+    plan.model.path, plan.model.dtype, plan.model.max_model_len = str(folder), "float32", 4 * BLOCK_SIZE
+    plan.parallel.dcp = dcp
+    plan.cache.block_size, plan.cache.memory = BLOCK_SIZE, "16MiB"
+    plan.launch.device, plan.attention.backend = "cpu", "cpu"
+    res = check_plan(LoadedPlan(plan=plan, source=Path("host_timing.yaml")), devices_here=False).require_valid()
+    config = EngineConfig.from_plan(res)
+    torch.set_num_threads(max(1, devices.cpu_cores() // config.local_world_size))
+    par = init_single(config.placement, torch.device("cpu"))
+    hf_config = AutoConfig.from_pretrained(folder)
+    runner = ModelRunner(hf_config, folder, par, torch.float32, create_backend(res.backend), config.max_model_len)
+    runner.allocate_cache(CacheLayout(config.num_blocks, BLOCK_SIZE, 1, torch.float32))
+    engine = LLMEngine(config, par, runner)
+    params = SamplingParams(max_tokens=2 * HOST_REPEATS, temperature=0.0, ignore_eos=True)
+    for seq in range(rows):
+        engine.add_request([seq + 1] * HOST_CONTEXT, params)
+    engine.step()  # the prompts' prefill; every step after it decodes all `rows` sequences
+    return statistics.median(_passes(engine.step, HOST_REPEATS)) / layers
+
+
+def decode_figures(shapes: DecodeShapes) -> dict[str, float]:
+    """The engine's decode work at `shapes` on this CPU: {linear_flops_per_core, attention_bytes_per_core} on one
+    thread (each rank of a layout with a rank per core), {linear_flops_one_rank, attention_bytes_one_rank} with one
+    rank's threads on every core (its parallel regions wait for each other), and {layer_host_s, dcp_layer_host_s}
+    (`host_seconds_per_layer` of a one-rank and of a dcp 2 layout)."""
+    import torch
+
+    from engine import devices
+    from engine.checkpoints.tiny import make_tiny_checkpoint
+    from engine.runtime.host_allocator import reuse_freed_memory
+
+    reuse_freed_memory()  # as every CPU rank of the engine does
+    threads = torch.get_num_threads()
+    figures = {}
+    try:
+        for layout, count in (("per_core", 1), ("one_rank", devices.cpu_cores())):
+            torch.set_num_threads(count)
+            figures[f"linear_flops_{layout}"] = linear_flops(shapes)
+            figures[f"attention_bytes_{layout}"] = attention_bytes(shapes)
+        layers = shapes.tiny_sizes["num_layers"]
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = make_tiny_checkpoint(Path(tmp) / "tiny", shapes.tiny_arch, **shapes.tiny_sizes)
+            figures["layer_host_s"] = host_seconds_per_layer(folder, 1, layers)
+            figures["dcp_layer_host_s"] = host_seconds_per_layer(folder, 2, layers)
+        return figures
+    finally:
+        torch.set_num_threads(threads)
