@@ -28,3 +28,18 @@ def test_engine_import_sets_it_before_torch_loads():
     probe = "import sys, engine; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True)
     assert result.stdout.strip() == "False", result.stderr[-2000:]
+
+
+def test_bound_openmp_threads_still_get_every_core():
+    """GOMP_CPU_AFFINITY pins the main thread to one core when torch loads: the engine's thread count comes from the
+    process's cores as they were at `import engine`, not from that pinned thread."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    env = dict(os.environ, GOMP_CPU_AFFINITY=",".join(map(str, cores)))
+    probe = "import os, engine, torch; from engine import devices; torch.ones(2).sum(); "
+    probe += "print(len(os.sched_getaffinity(0)), devices.cpu_cores())"
+    result = subprocess.run([sys.executable, "-c", probe], env=env, cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    pinned, counted = map(int, result.stdout.split())
+    assert (pinned, counted) == (1, len(cores))
