@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from engine.devices import cpu_cores
 from engine.kernels.cpu_isa import cap_torch_isa
 from engine.kernels.cpu_threads import default_wait_policy
 
@@ -16,6 +17,7 @@ __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 # both must be in the environment before torch loads (anything below may import it)
 cap_torch_isa()  # DCPCTL_CPU_ISA=avx2 caps torch's own kernels too
 default_wait_policy()  # threads sleep at barriers: no spinning on cores another process needs
+cpu_cores()  # the process's cores, remembered before OpenMP binding pins this thread to one of them
 
 
 def __getattr__(name: str) -> Any:

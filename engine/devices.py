@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -17,8 +18,11 @@ def cuda_device_count() -> int:
     return min(present, len(ids))
 
 
+@functools.cache
 def cpu_cores() -> int:
-    """CPU cores this process may run on."""
+    """CPU cores this process may run on, as first asked: `import engine` asks before torch loads, because OpenMP
+    binding (GOMP_CPU_AFFINITY, OMP_PROC_BIND) then pins the main thread to the first core, and its affinity alone
+    would say 1 (the engine then ran one thread on a 2-core machine)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

@@ -19,7 +19,7 @@ import torch
 
 from engine.errors import UserError
 from engine.kernels import cpu_gemm, cpu_isa, cpu_kernels
-from engine.kernels.cpu_paths import CpuPaths, gemm_choices
+from engine.kernels.cpu_paths import PREFILL_MIN_ROWS, CpuPaths, gemm_choices, prefill_gemm_choices
 from tests.oracle import hf_bf16_disagreements, prompt_ids, write_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,6 +116,19 @@ def test_gemm_choices_per_level_and_dtype():
     )
 
 
+def test_prefill_gemm_choices_per_level_and_dtype():
+    """Prefill-sized fp32 inputs take oneDNN with AVX-512; everything else takes what batched decode takes."""
+    avx512 = cpu_isa.CpuIsa("avx512", "avx512", ZEN4)
+    avx2 = cpu_isa.CpuIsa("avx2", "avx2", EPYC_AVX2)
+    assert prefill_gemm_choices(avx512, "float32", True) == ("onednn", "panels", "torch")
+    assert prefill_gemm_choices(avx512, "float32", False) == ("onednn", "torch")
+    for isa, dtype in ((avx2, "float32"), (avx512, "bfloat16"), (avx2, "bfloat16"), (avx2, "float16")):
+        assert prefill_gemm_choices(isa, dtype, True) == gemm_choices(isa, dtype, True)
+    line = CpuPaths(avx512, "float32", True, "cpu").describe()
+    assert f"GEMV for 1-2 rows, engine panel GEMM for more, oneDNN packed from {PREFILL_MIN_ROWS} rows;" in line
+    assert f"from {PREFILL_MIN_ROWS} rows" not in CpuPaths(avx2, "float32", True, "cpu").describe()
+
+
 def _layer(weight: torch.Tensor) -> cpu_gemm.PackableLinear:
     layer = cpu_gemm.PackableLinear()
     layer.weight = torch.nn.Parameter(weight, requires_grad=False)
@@ -173,9 +186,56 @@ def test_layers_take_the_gemm_the_isa_level_allows(dtype):
 
 
 @NEEDS_KERNELS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rows_on_each_side_of_the_prefill_bound_take_their_gemm(dtype, with_bias):
+    """Below PREFILL_MIN_ROWS rows a layer runs its batched-decode GEMM, from it on its prefill GEMM (the same bits
+    as calling each directly), and both give F.linear's product within the dtype's rounding."""
+    if not cpu_gemm.packing_available():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(200, 72, generator=g).to(dtype)
+    bias = torch.randn(200, generator=g).to(dtype) if with_bias else None
+    layer = _layer(weight)
+    isa = cpu_isa.detect()
+    onednn = (isa.level == "avx512") if dtype == torch.float32 else isa.onednn_bf16
+    want_prefill = "onednn" if onednn else "panels"
+    assert layer.prefill_gemm == want_prefill
+    assert layer.prefill_rows == (PREFILL_MIN_ROWS if want_prefill != layer.gemm else sys.maxsize)
+    for rows, gemm, packed in (
+        (PREFILL_MIN_ROWS - 1, layer.gemm, layer.packed),
+        (PREFILL_MIN_ROWS, layer.prefill_gemm, layer.prefill_packed),
+        (3 * PREFILL_MIN_ROWS + 5, layer.prefill_gemm, layer.prefill_packed),
+    ):
+        x = torch.randn(rows, 72, generator=g).to(dtype)
+        out = layer.project(x, bias)
+        direct = (
+            cpu_gemm.packed_linear(x, packed, bias)
+            if gemm == "onednn"
+            else cpu_kernels.panel_linear(x, packed, 200, bias)
+        )
+        assert torch.equal(out, direct), f"{rows} rows did not take {gemm}"
+        want = torch.nn.functional.linear(x, weight, bias)
+        tolerance = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 2e-2}
+        torch.testing.assert_close(out.float(), want.float(), **tolerance)
+
+
+@NEEDS_KERNELS
+def test_a_layer_packs_a_weight_once_per_gemm_and_tries_a_refusing_one_once(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_gemm, "_pack_for", lambda gemm, weight: calls.append(gemm) or None)
+    monkeypatch.setattr(cpu_gemm, "gemm_choices", lambda isa, dtype, kernels: ("onednn", "panels", "torch"))
+    monkeypatch.setattr(cpu_gemm, "prefill_gemm_choices", lambda isa, dtype, kernels: ("onednn", "torch"))
+    layer = _layer(torch.randn(40, 24))
+    assert calls == ["onednn", "panels"] and layer.gemm == layer.prefill_gemm == "torch"
+    assert layer.prefill_rows == sys.maxsize
+
+
+@NEEDS_KERNELS
 def test_an_avx2_view_takes_the_panel_gemm_for_bf16(isa_view):
     isa_view("avx2")
-    assert _layer(torch.randn(64, 32).to(torch.bfloat16)).gemm == "panels"
+    bf16 = _layer(torch.randn(64, 32).to(torch.bfloat16))
+    assert bf16.gemm == bf16.prefill_gemm == "panels"
     assert _layer(torch.randn(64, 32)).gemm == "panels"
 
 
@@ -267,6 +327,7 @@ FORCED_SUITE = [
     "tests/test_cpu_isa.py::test_panel_gemm_matches_exact_products",  # the x86-64-v3 build's panels
     "tests/test_cpu_isa.py::test_panel_gemm_keeps_nan_and_takes_strided_weights",
     "tests/test_cpu_isa.py::test_layers_take_the_gemm_the_isa_level_allows",
+    "tests/test_cpu_isa.py::test_rows_on_each_side_of_the_prefill_bound_take_their_gemm",
     "tests/test_cpu_isa.py::test_engine_bf16_tokens_are_hf_bf16s",
     # DCP ranks over the x86-64-v3 shared-memory collectives: the Helix placement with the a2a combine, GQA and MLA
     "tests/test_dcp_equivalence.py::test_layout_matches_hf_and_shards_cache[gqa2-tp1-dcp2-i4-sharded-a2a-chunked]",

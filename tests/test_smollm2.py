@@ -54,6 +54,33 @@ def test_single_rank_matches_hf(tmp_path, smollm2, block_size, backend):
         assert_matches_hf(smollm2, out.prompt_token_ids, out.token_ids, [lp.logprob for lp in out.logprobs])
 
 
+def test_a_prefill_sized_step_matches_hf(tmp_path, smollm2, monkeypatch):
+    """Prompts whose prefill is one step of more than PREFILL_MIN_ROWS rows: the linear layers take their prefill
+    GEMM there (oneDNN's for fp32 with AVX-512), and the tokens stay HF's."""
+    from engine.kernels import cpu_gemm
+    from engine.kernels.cpu_paths import PREFILL_MIN_ROWS
+
+    taken = set()
+    run = cpu_gemm._run
+
+    def recording_run(gemm, x, *args):
+        if x.shape[0] >= PREFILL_MIN_ROWS:
+            taken.add(gemm)
+        return run(gemm, x, *args)
+
+    monkeypatch.setattr(cpu_gemm, "_run", recording_run)
+    prompts = [f"Story {i}: " + "Write a short poem about the sea. " * 18 for i in range(5)]
+    settings = {"cache.memory": "64MiB", "scheduler.max_num_batched_tokens": 2048}
+    with LLM(write_plan(tmp_path, smollm2, settings)) as llm:
+        outputs = llm.generate(
+            prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
+        )
+        layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, cpu_gemm.PackableLinear)]
+    assert taken == {layer.prefill_gemm for layer in layers}
+    for out in outputs:
+        assert_matches_hf(smollm2, out.prompt_token_ids, out.token_ids, [lp.logprob for lp in out.logprobs])
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
     ("interleave", "dense", "comm"),

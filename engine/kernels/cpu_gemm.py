@@ -5,7 +5,10 @@ reordered once at load time is 1.5-2x faster than the default BLAS path for fp32
 allows, bf16; the engine's panel GEMM serves bf16 where oneDNN cannot. A layer whose weight a GEMM refuses
 to pack (torch raises on a CPU it does not support) takes the next choice, so a wrong guess costs speed,
 never a crash. At batch 1 and 2 the engine's row-streaming GEMV reads the plain weights faster than either
-(benchmarks/RESULTS.md). The layers keep their plain weights for the GEMV, for loading and for views (MLA).
+(benchmarks/RESULTS.md), and prefill-sized inputs (`cpu_paths.PREFILL_MIN_ROWS` rows or more) take
+`cpu_paths.prefill_gemm_choices`' first GEMM: each layer chooses per row bucket once, at `pack()`, and `project`
+compares the row count with the bounds. The layers keep their plain weights for the GEMV, for loading and for
+views (MLA).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +24,15 @@ from torch import nn
 
 from engine.kernels.cpu_isa import detect
 from engine.kernels.cpu_kernels import cpu_kernels_available, gemv, loaded_build, pack_panels, panel_linear
-from engine.kernels.cpu_paths import GEMM_NAMES, GEMV_MAX_ROWS, KERNEL_DTYPE_NAMES, describe_paths, gemm_choices
+from engine.kernels.cpu_paths import (
+    GEMM_NAMES,
+    GEMV_MAX_ROWS,
+    KERNEL_DTYPE_NAMES,
+    PREFILL_MIN_ROWS,
+    describe_paths,
+    gemm_choices,
+    prefill_gemm_choices,
+)
 
 _BATCH_HINT = 16  # the reorder picks a blocking for this many rows; any row count works
 _log = logging.getLogger(__name__)
@@ -66,55 +78,91 @@ def _pack_for(gemm: str, weight: torch.Tensor) -> torch.Tensor | None:
 
 
 class PackableLinear(nn.Module):
-    """Base of the linear layers: `project` takes the GEMV or the GEMM that `pack()` chose for the weight."""
+    """Base of the linear layers: `project` takes the GEMV or the GEMM that `pack()` chose for the row count."""
 
     weight: nn.Parameter
     packed: torch.Tensor | None = None
     gemm: str = "torch"  # what inputs of more than `gemv_rows` rows take: onednn, panels or torch (F.linear)
     gemv_rows: int = 0  # inputs of up to this many rows take the engine's GEMV
+    prefill_rows: int = sys.maxsize  # inputs of at least this many rows take `prefill_gemm` (when it differs)
+    prefill_gemm: str = "torch"
+    prefill_packed: torch.Tensor | None = None
 
     def pack(self) -> None:
-        """Pack the weight for this CPU's GEMM and enable the GEMV (CPU fp32/bf16 only; elsewhere a no-op)."""
+        """Pack the weight for this CPU's GEMMs and enable the GEMV (CPU fp32/bf16 only; elsewhere a no-op)."""
         weight = self.weight
         dtype = str(weight.dtype).removeprefix("torch.")
         if weight.device.type != "cpu" or dtype not in KERNEL_DTYPE_NAMES:
             return
-        kernels = cpu_kernels_available()
-        for gemm in gemm_choices(detect(), dtype, kernels):
-            self.packed = None if gemm == "torch" else _pack_for(gemm, weight)
-            if self.packed is not None or gemm == "torch":
-                self.gemm = gemm
-                break
+        isa, kernels = detect(), cpu_kernels_available()
+        tried: dict[str, torch.Tensor | None] = {}  # both buckets share a packing, and try a refusing GEMM once
+        self.gemm, self.packed = _first_packed(gemm_choices(isa, dtype, kernels), weight, tried)
+        choices = prefill_gemm_choices(isa, dtype, kernels)
+        self.prefill_gemm, self.prefill_packed = _first_packed(choices, weight, tried)
+        if self.prefill_gemm != self.gemm:
+            self.prefill_rows = PREFILL_MIN_ROWS
         if weight.is_contiguous() and kernels:
             self.gemv_rows = GEMV_MAX_ROWS
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == self.weight.dtype:
-            if x.shape[0] <= self.gemv_rows:
+            rows = x.shape[0]
+            if rows <= self.gemv_rows:
                 return gemv(x, self.weight, bias)
-            if self.gemm == "panels":
-                return panel_linear(x, self.packed, self.weight.shape[0], bias)
-            if self.gemm == "onednn":
-                return packed_linear(x, self.packed, bias)
+            if rows >= self.prefill_rows:
+                return _run(self.prefill_gemm, x, self.prefill_packed, self.weight, bias)
+            return _run(self.gemm, x, self.packed, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
 
-def pack_linears(model: nn.Module) -> dict[str, int]:
-    """Pack every linear layer of a loaded model; how many layers took each GEMM."""
-    taken: collections.Counter[str] = collections.Counter()
+def _first_packed(
+    choices: tuple[str, ...], weight: torch.Tensor, tried: dict[str, torch.Tensor | None]
+) -> tuple[str, torch.Tensor | None]:
+    """The first of `choices` that takes `weight` here, with the weight packed for it; `tried` keeps each GEMM's
+    packing (None: refused, or F.linear's plain weight) for the next call."""
+    for gemm in choices:
+        if gemm not in tried:
+            tried[gemm] = None if gemm == "torch" else _pack_for(gemm, weight)
+        if tried[gemm] is not None or gemm == "torch":
+            return gemm, tried[gemm]
+    return "torch", None
+
+
+def _run(gemm: str, x: torch.Tensor, packed: torch.Tensor | None, weight: torch.Tensor, bias) -> torch.Tensor:
+    """x @ weight.T (+ bias) on `gemm`, with `packed` the weight packed for it."""
+    if gemm == "panels":
+        return panel_linear(x, packed, weight.shape[0], bias)
+    if gemm == "onednn":
+        return packed_linear(x, packed, bias)
+    return F.linear(x, weight, bias)
+
+
+def pack_linears(model: nn.Module) -> dict[tuple[str, str], int]:
+    """Pack every linear layer of a loaded model; how many layers took each (GEMM, prefill GEMM) pair."""
+    taken: collections.Counter[tuple[str, str]] = collections.Counter()
     for module in model.modules():
         if isinstance(module, PackableLinear):
             module.pack()
-            taken[module.gemm] += 1
+            taken[module.gemm, module.prefill_gemm] += 1
     return dict(taken)
 
 
-def cpu_paths_line(dtype: torch.dtype, gemms: dict[str, int], backend) -> str:
+def _layer_counts(counts: collections.Counter[str]) -> str:
+    return ", ".join(f"{GEMM_NAMES[g]} ({n} layers)" for g, n in sorted(counts.items()))
+
+
+def cpu_paths_line(dtype: torch.dtype, gemms: dict[tuple[str, str], int], backend) -> str:
     """What a CPU rank actually runs, for the start-up log: the ISA level, the loaded kernel build, the GEMMs
-    the linear layers took (from `pack_linears`) and the decode attention."""
+    the linear layers took (from `pack_linears`), by row count, and the decode attention."""
     name = str(dtype).removeprefix("torch.")
-    taken = ", ".join(f"{GEMM_NAMES[g]} ({n} layers)" for g, n in sorted(gemms.items())) or GEMM_NAMES["torch"]
+    batched, prefill = collections.Counter(), collections.Counter()
+    for (gemm, prefill_gemm), n in gemms.items():
+        batched[gemm] += n
+        if prefill_gemm != gemm:
+            prefill[prefill_gemm] += n
+    taken = _layer_counts(batched) or GEMM_NAMES["torch"]
     kernels = getattr(backend, "kernels", False)
     decode = "engine paged decode kernel" if kernels else f"{backend.name} backend"
     build = loaded_build() or "unavailable, torch's kernels"
-    return describe_paths(detect(), build, name, taken, cpu_kernels_available() and name in KERNEL_DTYPE_NAMES, decode)
+    gemv = cpu_kernels_available() and name in KERNEL_DTYPE_NAMES
+    return describe_paths(detect(), build, name, taken, gemv, decode, _layer_counts(prefill) or None)

@@ -3,12 +3,14 @@
 The one place these choices are made: `cpu_gemm` packs the linear layers by it, and `plan validate` /
 `plan show` and the engine's start-up line print it. No torch import (plan checks use it).
 
-Linear layers, per dtype: 1-2 rows (batch-1/2 decode) take the engine's GEMV on the plain weight; more rows
-take a pre-packed GEMM: the engine's panel GEMM (csrc/cpu_gemm.cpp), except bfloat16 on CPUs where oneDNN
-packs bf16 (AVX-512, AVX-NE-CONVERT), which take oneDNN's (with AVX512-BF16 dot products it does twice the
-panel GEMM's fp32 FMAs per cycle). Measured (benchmarks/RESULTS.md): the panel GEMM runs decode-sized
-batches faster than oneDNN's fp32 and prefill sizes about as fast, on the AVX-512 and AVX2 builds alike,
-and keeps bf16 weights in bf16 (widened in registers). Without the engine's kernels: oneDNN, else F.linear.
+Linear layers, per dtype and row count, in three buckets: 1-2 rows (batch-1/2 decode) take the engine's GEMV on
+the plain weight; more rows a pre-packed GEMM: the engine's panel GEMM (csrc/cpu_gemm.cpp), except bfloat16 on
+CPUs where oneDNN packs bf16 (AVX-512, AVX-NE-CONVERT), which take oneDNN's (with AVX512-BF16 dot products it does
+twice the panel GEMM's fp32 FMAs per cycle); and from PREFILL_MIN_ROWS rows on (prefill), float32 on AVX-512 takes
+oneDNN's too (`prefill_gemm_choices`), from a second packed copy of the weight. Measured at SmolLM2's shapes
+(benchmarks/gemm_crossover.py, RESULTS.md): the panel GEMM runs decode-sized fp32 batches faster than oneDNN,
+oneDNN is as fast or faster on every shape from 512 rows on with AVX-512 (20% on the down projection), and never
+with AVX2. Without the engine's kernels: oneDNN, else F.linear.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from engine.kernels.cpu_isa import CpuIsa
 
 GEMV_MAX_ROWS = 2  # above this many rows a packed GEMM is faster than the GEMV (benchmarks/gemv_roofline.py)
+PREFILL_MIN_ROWS = 512  # from this many rows on oneDNN's fp32 beats the panel GEMM with AVX-512 (gemm_crossover.py)
 GEMM_NAMES = {"onednn": "oneDNN packed", "panels": "engine panel GEMM", "torch": "torch F.linear"}
 KERNEL_DTYPE_NAMES = ("float32", "bfloat16")  # what the engine's C++ kernels take
 
@@ -37,9 +40,22 @@ def gemm_choices(isa: CpuIsa, dtype: str, kernels: bool) -> tuple[str, ...]:
     return (*(c for c in choices if kernels or c != "panels"), "torch")
 
 
-def describe_paths(isa: CpuIsa, kernels: str, dtype: str, gemms: str, gemv: bool, decode: str) -> str:
-    """The one-line form plan show / validate and the engine's start-up line print."""
+def prefill_gemm_choices(isa: CpuIsa, dtype: str, kernels: bool) -> tuple[str, ...]:
+    """The GEMMs for PREFILL_MIN_ROWS rows or more, best first (a layer takes the first that packs its weight):
+    oneDNN's for float32 with AVX-512, else what batched decode takes (the same packed weight)."""
+    if dtype == "float32" and isa.level == "avx512":
+        return ("onednn", *(c for c in gemm_choices(isa, dtype, kernels) if c != "onednn"))
+    return gemm_choices(isa, dtype, kernels)
+
+
+def describe_paths(
+    isa: CpuIsa, kernels: str, dtype: str, gemms: str, gemv: bool, decode: str, prefill: str | None = None
+) -> str:
+    """The one-line form plan show / validate and the engine's start-up line print (`prefill`: what layers take
+    from PREFILL_MIN_ROWS rows on, where that differs from `gemms`)."""
     rows = f"GEMV for 1-{GEMV_MAX_ROWS} rows, {gemms} for more" if gemv else gemms
+    if prefill:
+        rows += f", {prefill} from {PREFILL_MIN_ROWS} rows"
     return (
         f"CPU ISA {isa.describe()}; C++ kernels: {kernels}; {dtype} linear layers: {rows}; decode attention: {decode}"
     )
@@ -58,9 +74,14 @@ class CpuPaths:
     def gemm(self) -> str:
         return gemm_choices(self.isa, self.dtype, self.kernels)[0]
 
+    @property
+    def prefill_gemm(self) -> str:
+        return prefill_gemm_choices(self.isa, self.dtype, self.kernels)[0]
+
     def describe(self) -> str:
         """What the plan will run here (the start-up line reports what actually loaded)."""
         build = f"{self.isa.build_variant} build" if self.kernels else "off (DCPCTL_CPU_KERNELS=0)"
         gemv = self.kernels and self.dtype in KERNEL_DTYPE_NAMES
         decode = "engine paged decode kernel" if self.kernels and self.backend == "cpu" else f"{self.backend} backend"
-        return describe_paths(self.isa, build, self.dtype, GEMM_NAMES[self.gemm], gemv, decode)
+        prefill = GEMM_NAMES[self.prefill_gemm] if self.prefill_gemm != self.gemm else None
+        return describe_paths(self.isa, build, self.dtype, GEMM_NAMES[self.gemm], gemv, decode, prefill)
