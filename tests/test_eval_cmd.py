@@ -19,7 +19,7 @@ from dcpctl import eval_cmd
 from dcpctl.eval_view import run_comparison
 from engine.errors import UserError
 from evals import evaluate, tasks
-from evals.launch import PlanServer, ServerStartError
+from evals.launch import PlanServer, ServerStartError, sigterm_interrupts
 from evals.targets import Target
 from tests.oracle import write_plan
 
@@ -207,6 +207,24 @@ def test_signal_to_eval_stops_the_server_it_launched(tmp_path, tiny_llama, sig):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_ctrl_c_inside_asyncio_run_raises_even_when_the_coroutine_swallows_the_cancellation():
+    """lm-eval sends its requests under `asyncio.run`, whose own Ctrl-C handling cancels the task; a library that
+    swallows the cancellation made an interrupted eval finish with exit 0. Inside `sigterm_interrupts` it raises."""
+    import asyncio
+    import contextlib
+
+    async def requests_that_swallow_cancellation() -> str:
+        signal.raise_signal(signal.SIGINT)
+        for _ in range(50):
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(0.01)
+        return "finished"
+
+    with pytest.raises(KeyboardInterrupt), sigterm_interrupts():
+        asyncio.run(requests_that_swallow_cancellation())
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
 def test_library_output_goes_to_the_run_log_with_bars_collapsed(tmp_path, capsys):

@@ -69,7 +69,11 @@ def _default_sigint() -> None:
 def sigterm_interrupts() -> Iterator[None]:
     """SIGTERM is a KeyboardInterrupt for the span of the block, so that servers started in it are stopped by the
     same clean-up as on Ctrl-C rather than orphaned (they run in sessions of their own, so the signal that ends
-    this process never reaches them). Outside the main thread (no signal handlers there) it changes nothing."""
+    this process never reaches them). Outside the main thread (no signal handlers there) it changes nothing.
+
+    SIGINT gets the same handler (unless it is ignored): with Python's default one, `asyncio.run` (lm-eval's
+    requests) turns Ctrl-C into a cancellation that a library can swallow, and the run then finished as if never
+    interrupted; a handler of our own makes asyncio leave SIGINT alone, so it always raises."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -77,11 +81,13 @@ def sigterm_interrupts() -> Iterator[None]:
     def interrupt(*_: object) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    signals = [signal.SIGTERM] + ([signal.SIGINT] if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN else [])
+    previous = {sig: signal.signal(sig, interrupt) for sig in signals}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def connect_host(host: str) -> str:
