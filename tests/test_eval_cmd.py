@@ -191,7 +191,13 @@ def test_signal_to_eval_stops_the_server_it_launched(tmp_path, tiny_llama, sig):
     data, out = write_gsm8k(tmp_path / "data"), tmp_path / "out"
     command = [sys.executable, "-m", "dcpctl.cli", "eval", "gsm8k", str(plan), "--data-dir", str(data)]
     command += ["--limit", "4", "--num-fewshot", "1", "--output", str(out)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(  # SIGINT as in a terminal, even when this run inherited it ignored (nohup, `&`)
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         lines = []
         for line in proc.stdout:  # plain progress lines (not a terminal); lm-eval is imported once healthy
@@ -222,9 +228,13 @@ def test_ctrl_c_inside_asyncio_run_raises_even_when_the_coroutine_swallows_the_c
                 await asyncio.sleep(0.01)
         return "finished"
 
-    with pytest.raises(KeyboardInterrupt), sigterm_interrupts():
-        asyncio.run(requests_that_swallow_cancellation())
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's, even under nohup
+    try:
+        with pytest.raises(KeyboardInterrupt), sigterm_interrupts():
+            asyncio.run(requests_that_swallow_cancellation())
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    finally:
+        signal.signal(signal.SIGINT, inherited)
 
 
 def test_library_output_goes_to_the_run_log_with_bars_collapsed(tmp_path, capsys):
