@@ -16,7 +16,7 @@ __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 
 # both must be in the environment before torch loads (anything below may import it)
 cap_torch_isa()  # DCPCTL_CPU_ISA=avx2 caps torch's own kernels too
-default_wait_policy()  # threads sleep at barriers: no spinning on cores another process needs
+default_wait_policy()  # threads spin ~100 µs at a barrier, then sleep: no long spins on cores another process needs
 cpu_cores()  # the process's cores, remembered before OpenMP binding pins this thread to one of them
 
 
