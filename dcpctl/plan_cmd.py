@@ -149,16 +149,18 @@ def _render_handoff(console: Console, res: ResolvedPlan, positions: int) -> None
     console.print(Text.assemble(("hand-off  ", "bold"), f"prefill {side(pre)} -> decode {side(dec)}, {cache} cache"))
     console.print(f"owner of positions 0..{positions - 1} on each side ('|' = a virtual block of that side):")
     console.print(handoff_picture(positions, pre.spec, dec.spec))
-    per_block = dec.layers * dec.kinds
-    kv = "K/V" if dec.kinds == 2 else "latent"
+    across = f"{dec.layers} layers{' x K/V' if dec.kinds == 2 else ''}"
     for b in summary.blocks:
         sources = ", ".join(
             f"rank {r} block {blk} " + "".join(f"[{a}-{z}]" for a, z in slots) for r, blk, slots in b.sources
         )
         console.print(f"decode rank {b.rank}, block 0 ({b.local_tokens} tokens) <- prefill {sources}")
+        runs, descriptors = (
+            f"{n} {word}{'s' if n != 1 else ''}" for n, word in ((b.runs, "run"), (b.descriptors, "descriptor"))
+        )
         console.print(
-            f"    {b.runs} runs -> {b.descriptors} descriptor{'s' if b.descriptors != 1 else ''} per layer per {kv} "
-            f"(x {dec.layers} layers{' x 2' if dec.kinds == 2 else ''} = {b.descriptors * per_block} per block)"
+            f"    {runs} -> {descriptors} per block over all {across} "
+            "(block-major cache: a whole block with all its heads is one)"
         )
 
     def counts(per_rank: list[int]) -> str:
@@ -169,13 +171,9 @@ def _render_handoff(console: Console, res: ResolvedPlan, positions: int) -> None
         mib = max(b for _, b in per_rank) / 2**20
         console.print(f"  N={n}: {counts([d for d, _ in per_rank])}  ({mib:.2f} MiB per rank)")
     for interleave, per_n in summary.compare.items():
-        why = " (= block size: one per block per layer per " + kv + ")" if interleave == dec.spec.block_size else ""
+        why = " (= block size)" if interleave == dec.spec.block_size else ""
         line = "; ".join(f"N={n}: {counts(d)}" for n, d in per_n.items())
         console.print(f"  at interleave {interleave}{why}: {line}")
-    console.print(
-        f"  a cache laid out block-major across layers would need 1 descriptor per block at interleave = block size "
-        f"(now {per_block})"
-    )
 
 
 def _render_show(console: Console, res: ResolvedPlan, positions: int) -> None:

@@ -138,10 +138,10 @@ def smollm2_counts(interleave: int, n: int, head_major: bool = True) -> list[int
 @pytest.mark.parametrize(
     ("interleave", "n", "expected"),
     [
-        (64, 512, [240, 240]),  # one per block per layer per K/V
-        (64, 2048, [960, 960]),
-        (64, 70, [60, 60]),  # the stretched final run: a partial block is one descriptor too
-        (64, 500, [240, 240]),
+        (64, 512, [4, 4]),  # one per block: the cache is block-major, a block of all layers and K/V is contiguous
+        (64, 2048, [16, 16]),
+        (64, 70, [1, 1]),  # the stretched final run: a partial block is one descriptor too
+        (64, 500, [4, 4]),
         (16, 512, [2880, 2880]),  # (B / I) x heads per block per layer per K/V
         (16, 2048, [11520, 11520]),
         (1, 512, [46080, 45900]),  # B x heads; rank 1 does not read position 511 (computed on decode)
@@ -153,8 +153,23 @@ def test_smollm2_descriptor_counts(interleave, n, expected):
 
 
 def test_token_major_caches_at_interleave_equal_block_size_are_one_descriptor_per_block():
-    assert smollm2_counts(64, 512, head_major=False) == [240, 240]
-    assert smollm2_counts(16, 512, head_major=False) == [960, 960]
+    assert smollm2_counts(64, 512, head_major=False) == [4, 4]
+    assert smollm2_counts(16, 512, head_major=False) == [960, 960]  # (B / I) runs per block per layer per K/V
+
+
+@pytest.mark.parametrize(("head_major", "per_block"), [(True, 2 * 2), (False, 2 * 2 * 8)])
+def test_a_decode_rank_holding_part_of_the_heads_cannot_merge_across_layers(head_major, per_block):
+    """tp1 -> tp2/dcp2 at interleave = block size (2 layers, K/V, 2 KV heads, B8): each decode rank holds one of
+    the prefill rank's two heads, so the other head lies between its layers on the prefill side: one descriptor per
+    layer and K/V per block (head-major), one per token of those (token-major)."""
+    src_layout, dst_layout = ParallelLayout.build(1, 1, 4, 2, False), ParallelLayout.build(2, 2, 4, 2, False)
+    src = PullSide(DcpSpec(8, 8, 1), list(range(0, 16, 2)), {0: geometry(2, 2, 16, 8, 2, head_major)})
+    for rank in range(dst_layout.world_size):
+        dst_geo = geometry(2, 2, 16, 8, 1, head_major)
+        dst = PullSide(DcpSpec(8, 8, 2), list(range(0, 16, 2)), {rank: dst_geo})
+        role = dst_layout.role(rank)
+        pulls = plan_pull(src, dst, rank, role.dcp_rank, kv_head_sources(src_layout, dst_layout, rank), 0, 32)
+        assert len(pulls[0]) == 2 * per_block  # two blocks per decode rank
 
 
 def test_coalesce_merges_only_what_is_contiguous_on_both_sides():

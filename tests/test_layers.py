@@ -46,13 +46,14 @@ def test_interleaved_rope_matches_hf_deepseek():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_cache_is_zero_and_writable(dtype):
     storage, views = kv_cache.allocate(3, 5, 16, 2, 8, False, dtype, torch.device("cpu"), head_major=True)
-    assert storage.shape == (3, 2, 5, 2, 16, 8) and storage.dtype == dtype
+    assert storage.shape == (5, 3, 2, 2, 16, 8) and storage.dtype == dtype  # block-major across layers
     assert not storage.any()
     keys, values = views[1]
+    assert keys.shape == (5, 16, 2, 8) and keys.stride(0) == 3 * 2 * 2 * 16 * 8
     keys[4, 15, 1] = 1.0
     values[0, 0, 0] = 2.0
     assert storage.sum().item() == 8 * 1.0 + 8 * 2.0
-    assert storage[1, 0, 4, 1, 15].eq(1.0).all() and storage[1, 1, 0, 0, 0].eq(2.0).all()
+    assert storage[4, 1, 0, 1, 15].eq(1.0).all() and storage[0, 1, 1, 0, 0].eq(2.0).all()
 
 
 def _onednn_packs(dtype: torch.dtype) -> bool:

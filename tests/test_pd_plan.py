@@ -134,13 +134,14 @@ def test_show_draws_the_handoff(make_plan, llama_folder):
     assert "hand-off  prefill prefill (tp1 dcp1 I1 B16) -> decode pd (tp1 dcp2 I4 B16), head-major cache" in out
     # decode rank 0 owns 0-3, 8-11 (prefill block 0) and 16-19, 24-27 (prefill block 1): 4 runs x 2 heads
     assert "decode rank 0, block 0 (16 tokens) <- prefill rank 0 block 0 [0-3][8-11], rank 0 block 1 [0-3][8-11]" in out
-    assert "4 runs -> 8 descriptors per layer per K/V (x 2 layers x 2 = 32 per block)" in out
+    # a run is part of a block: no merging across heads, layers or K/V (4 runs x 2 heads x 2 layers x K/V)
+    assert "4 runs -> 32 descriptors per block over all 2 layers x K/V (block-major cache: a whole block" in out
     pictured = out.replace(" ", "")
     assert "0prefill0000000000000000|0000000000000000" in pictured  # prefill virtual blocks are 16 tokens
     assert "0decode00001111000011110000111100001111" in pictured  # decode virtual blocks: 32 tokens
-    # 512 tokens: 16 decode blocks per rank; at I = B a decode block is one prefill block: 4 per block
+    # 512 tokens: 16 decode blocks per rank; at I = B a decode block is one whole prefill block: 1 per block
     assert "N=512: 512 / 512" in out  # 32 per block x 16 blocks
-    assert "at interleave 16 (= block size: one per block per layer per K/V): N=512: 64 / 64" in out
+    assert "at interleave 16 (= block size): N=512: 16 / 16" in out
 
 
 def test_pd_plan_is_not_an_in_process_llm(make_plan, llama_folder):

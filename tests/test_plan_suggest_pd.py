@@ -1,5 +1,6 @@
 """`dcpctl plan suggest --pd`: every suggested prefill -> decode pair is two plan files `plan validate` accepts, the
-hand-off is what the engine's planner counts (one descriptor per block per layer and K/V at interleave = block size),
+hand-off is what the engine's planner counts (one descriptor per block at interleave = block size: the KV cache is
+block-major across layers),
 and a rejected pair names the rule."""
 
 from __future__ import annotations
@@ -72,11 +73,10 @@ def test_handoff_descriptors_are_the_planners(gqa_request):
     result = suggest_pd(gqa_request)
     whole = _pair(result, (1, 1, 1), (1, 2, 16))
     one = _pair(result, (1, 1, 1), (1, 2, 1))
-    layers = gqa_request.model.info.num_layers
     blocks_per_rank = 512 // (16 * 2)
     # interleave = block size from a dcp-1 prefill: each decode block is one whole prefill block, one descriptor per
-    # block per layer and K/V (the block's two KV heads are contiguous on both sides)
-    assert [p.descriptors for p in whole.handoff.per_rank] == [blocks_per_rank * layers * 2] * 2
+    # block (its two KV heads, every layer and K/V are contiguous on both sides)
+    assert [p.descriptors for p in whole.handoff.per_rank] == [blocks_per_rank] * 2
     # interleave 1: the same bytes in one-token runs, per KV head
     assert [p.nbytes for p in one.handoff.per_rank] == [p.nbytes for p in whole.handoff.per_rank]
     assert min(p.descriptors for p in one.handoff.per_rank) > 16 * whole.handoff.max_descriptors
@@ -137,10 +137,10 @@ def test_cli_pd_table_json_and_write(tmp_path, monkeypatch):
     assert first["ranks"] <= 4 and first["decode"]["token_capacity"] == max(
         p["decode"]["token_capacity"] for p in data["pairs"]
     )
-    # MLA from a dcp-1 prefill at interleave = block size: one descriptor per block per layer (one latent "head")
+    # MLA from a dcp-1 prefill at interleave = block size: one descriptor per block (one latent "head", all layers)
     for pair in data["pairs"]:
         d = pair["decode"]
         if pair["prefill"]["dcp"] == 1 and d["interleave"] == 64 and d["dcp"] > 1:
             blocks = -(-32767 // (64 * d["dcp"]))
-            assert max(pair["handoff"]["descriptors_per_rank"]) == blocks * 27
+            assert max(pair["handoff"]["descriptors_per_rank"]) == blocks
     assert data["rejected_pairs"] == [] and data["pairs_beyond_devices"] > 0

@@ -82,9 +82,10 @@ class World:
 
     def caches(self, layout: CacheLayout, rank: int, dcp_size: int, backend):
         """This rank's cache holding every sequence's context (positions before the chunk), as earlier steps left it,
-        allocated in `backend`'s layout."""
-        _, ((kc, vc),) = kv_cache.allocate(
-            1,
+        allocated in `backend`'s layout: the middle layer of three, so kernels see the block-major block stride and a
+        view that starts inside the storage."""
+        _, (_, (kc, vc), _) = kv_cache.allocate(
+            3,
             layout.num_blocks,
             layout.block_size,
             self.hkv,

@@ -5,6 +5,8 @@ Prefill of new tokens uses `flash_attn_varlen_func` (causal, with its log-sum-ex
 `return_softmax_lse`), and cached-context rows of prefill chunks use `flash_attn_varlen_func` with a block
 table. MLA layers (values inside the latent key cache, key dim 576 > flash-attn's 256) and the KV store use
 the Triton kernels. flash-attn's paged KV needs a block size that is a multiple of 256, and fp16/bf16.
+The layers' cache views are block-major across layers (`kv_cache`): flash-attn takes the paged cache's block
+stride from `stride(0)` and needs only the last dimension contiguous, as vLLM's cross-layer KV layout relies on.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """One KV cache allocation for all layers, laid out as the attention backend prefers.
 
 Layers always see [num_blocks, block_size, kv_heads, dim] tensors; a backend with `head_major_cache`
-gets storage ordered [num_blocks, kv_heads, block_size, dim] behind those views.
+gets storage ordered [num_blocks, kv_heads, block_size, dim] behind those views. The storage is block-major across
+layers (`kv_layout`): a layer's view strides over whole blocks of all layers and K/V, so every kernel takes the
+block stride from its view (`stride(0)`) rather than assuming a contiguous per-layer cache.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def allocate(
     # zeros, not empty: padded gathers read unwritten slots, and 0 * NaN would poison the output
     storage = zeros(shape, dtype, device)
     views = storage.permute(0, 1, 2, 4, 3, 5) if head_major else storage
-    return storage, [(views[i, 0], None if value_in_key else views[i, 1]) for i in range(num_layers)]
+    return storage, [(views[:, i, 0], None if value_in_key else views[:, i, 1]) for i in range(num_layers)]
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -62,7 +64,7 @@ def fault_in(storage: torch.Tensor) -> None:
 
 def geometry(storage: torch.Tensor, head_major: bool) -> kv_layout.CacheGeometry:
     """Where `allocate`'s storage lies in memory, for the KV hand-off's byte descriptors."""
-    layers, kinds, num_blocks = storage.shape[:3]
+    num_blocks, layers, kinds = storage.shape[:3]
     heads, block_size = (storage.shape[3], storage.shape[4]) if head_major else (storage.shape[4], storage.shape[3])
     return kv_layout.CacheGeometry(
         base_addr=storage.data_ptr(),

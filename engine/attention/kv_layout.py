@@ -1,8 +1,10 @@
 """The byte layout of one rank's KV storage (plain ints, no torch): the one place that knows its dimension order.
 
-The storage is [layers, kinds, blocks, heads, block_size, dim] (head-major) or [layers, kinds, blocks, block_size,
-heads, dim] (token-major); kinds is 2 (keys, values) or 1 when values live in the keys (MLA). The allocator builds
-its tensors from `storage_shape`; the KV hand-off computes byte addresses with `CacheGeometry.offset`.
+The storage is block-major across layers: [blocks, layers, kinds, heads, block_size, dim] (head-major) or [blocks,
+layers, kinds, block_size, heads, dim] (token-major); kinds is 2 (keys, values) or 1 when values live in the keys
+(MLA). One block of every layer and kind is then one contiguous range, so the KV hand-off moves a whole block in one
+descriptor. The allocator builds its tensors from `storage_shape`; the hand-off computes byte addresses with
+`CacheGeometry.offset`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ def storage_shape(
 ) -> tuple[int, ...]:
     """The storage tensor's shape."""
     inner = (heads, block_size, dim) if head_major else (block_size, heads, dim)
-    return (layers, kinds, num_blocks, *inner)
+    return (num_blocks, layers, kinds, *inner)
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class CacheGeometry:
         """Byte offset of one head of one token; element-wise on ints or numpy arrays."""
         block, token = slot // self.block_size, slot % self.block_size
         inner = head * self.block_size + token if self.head_major else token * self.heads + head
-        return ((layer * self.kinds + kind) * self.num_blocks + block) * self.block_bytes + inner * self.head_bytes
+        return ((block * self.layers + layer) * self.kinds + kind) * self.block_bytes + inner * self.head_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

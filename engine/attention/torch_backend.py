@@ -74,11 +74,27 @@ def _causal_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
 
 
 def _physical(cache: torch.Tensor) -> torch.Tensor:
-    """The head-major storage [blocks, H, B, D] behind a layer's [blocks, B, H, D] cache view."""
+    """The head-major storage [blocks, H, B, D] behind a layer's [blocks, B, H, D] cache view: each block contiguous,
+    blocks any whole number of head blocks [B, D] apart (the cache is block-major across layers)."""
     phys = cache.permute(0, 2, 1, 3)
-    if not phys.is_contiguous():
+    block_size, dim = phys.shape[2:]
+    packed = all(
+        n == 1 or s == want
+        for n, s, want in zip(phys.shape[1:], phys.stride()[1:], (block_size * dim, dim, 1), strict=True)
+    )
+    if not packed or phys.stride(0) % (block_size * dim):
         raise ValueError("the torch backend needs a head-major KV cache (engine.attention.kv_cache.allocate)")
     return phys
+
+
+def _head_blocks(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A layer's cache as rows of one head's block [B, D] (a view, no copy): row `block * stride + head`; and that
+    stride. The rows between one block's heads and the next block's belong to other layers and are never indexed."""
+    phys = _physical(cache)
+    blocks, heads, block_size, dim = phys.shape
+    stride = phys.stride(0) // (block_size * dim)
+    rows = phys.as_strided(((blocks - 1) * stride + heads, block_size, dim), (block_size * dim, dim, 1))
+    return rows, stride
 
 
 class TorchBackend(AttentionBackend):
@@ -95,6 +111,7 @@ class TorchBackend(AttentionBackend):
                 blocks = max(1, -(-kv.max_len // kv.block_size))
                 kv.extra["tables"] = kv.block_tables[:, :blocks]
                 kv.extra["valid"] = torch.arange(blocks * kv.block_size, device=kv.lens.device) < kv.lens.unsqueeze(1)
+                kv.extra.pop("head_rows", None)  # the gather index of these tables: built by the first layer
         metadata.extra["write_slots"] = mine
 
     def write_cache(self, key, value, key_cache, value_cache, metadata) -> None:
@@ -126,10 +143,17 @@ class TorchBackend(AttentionBackend):
     def paged(self, q, key_cache, value_cache, value_dim, kv: PagedKV, scale):
         tables, valid = kv.extra["tables"], kv.extra["valid"]
         seqs, heads = tables.shape[0], key_cache.shape[2]
-        index = (tables.unsqueeze(1) * heads + torch.arange(heads, device=tables.device).view(1, -1, 1)).reshape(-1)
+        rows, stride = _head_blocks(key_cache)
+        cached = kv.extra.get("head_rows")  # the same for every layer of one cache: computed by the first
+        if cached is not None and cached[0] == stride:
+            index = cached[1]
+        else:
+            first = tables.unsqueeze(1) * stride
+            index = (first + torch.arange(heads, device=tables.device).view(1, -1, 1)).reshape(-1)
+            kv.extra["head_rows"] = (stride, index)
 
         def gather(cache: torch.Tensor) -> torch.Tensor:  # [S, Hkv, tokens, D], contiguous
-            flat = _physical(cache).reshape(-1, cache.shape[1], cache.shape[3])
+            flat = rows if cache is key_cache else _head_blocks(cache)[0]
             return flat.index_select(0, index).view(seqs, heads, -1, cache.shape[3])
 
         keys = gather(key_cache)

@@ -4,7 +4,9 @@ The token runs come from `engine.dcp.handoff_runs`, the KV heads' sources from `
 byte addresses from each side's `CacheGeometry`. Each run x layer x kind expands into the largest units that are
 contiguous in both layouts (a head's run of tokens when both are head-major; a token's heads when both are
 token-major; one head of one token otherwise); units are then sorted by destination and neighbours contiguous on
-both sides are merged, which gives the fewest descriptors (destination ranges never overlap).
+both sides are merged, which gives the fewest descriptors (destination ranges never overlap). The caches are
+block-major across layers, so a run that covers whole blocks with all their heads on both sides merges over every
+layer and K/V into one descriptor per block.
 """
 
 from __future__ import annotations

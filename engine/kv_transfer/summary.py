@@ -58,7 +58,7 @@ class BlockSource:
     local_tokens: int
     sources: list[tuple[int, int, list[tuple[int, int]]]]
     runs: int  # token runs in the block
-    descriptors: int  # per layer per K/V (all of this rank's KV heads)
+    descriptors: int  # for the whole block: all layers, K/V and this rank's KV heads
 
 
 @dataclass
@@ -149,7 +149,7 @@ def summarize(prefill: HandoffSide, decode: HandoffSide, lengths: tuple[int, ...
                 sum(r.length for r in runs),
                 [(r, b, slots) for (r, b), slots in sources.items()],
                 len(runs),
-                descriptors // (decode.layers * decode.kinds),
+                descriptors,
             )
         )
     per_request = {n: _per_request(prefill, decode, n) for n in lengths}
