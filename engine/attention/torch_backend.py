@@ -153,7 +153,9 @@ class TorchBackend(AttentionBackend):
             kv.extra["head_rows"] = (stride, index)
 
         def gather(cache: torch.Tensor) -> torch.Tensor:  # [S, Hkv, tokens, D], contiguous
-            flat = rows if cache is key_cache else _head_blocks(cache)[0]
+            flat, own = (rows, stride) if cache is key_cache else _head_blocks(cache)
+            if own != stride:
+                raise ValueError("the key and value caches must share one layout (engine.attention.kv_cache.allocate)")
             return flat.index_select(0, index).view(seqs, heads, -1, cache.shape[3])
 
         keys = gather(key_cache)
