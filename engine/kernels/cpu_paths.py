@@ -9,8 +9,9 @@ CPUs where oneDNN packs bf16 (AVX-512, AVX-NE-CONVERT), which take oneDNN's (wit
 twice the panel GEMM's fp32 FMAs per cycle); and from PREFILL_MIN_ROWS rows on (prefill), float32 on AVX-512 takes
 oneDNN's too (`prefill_gemm_choices`), from a second packed copy of the weight. Measured at SmolLM2's shapes
 (benchmarks/gemm_crossover.py, RESULTS.md): the panel GEMM runs decode-sized fp32 batches faster than oneDNN,
-oneDNN is as fast or faster on every shape from 512 rows on with AVX-512 (20% on the down projection), and never
-with AVX2. Without the engine's kernels: oneDNN, else F.linear.
+oneDNN is as fast or faster on every shape from 512 rows on with AVX-512 (12-30% on the down projection; a 16 x
+128-token SmolLM2 prefill 11% faster on two threads, worth the second copy), and never with AVX2.
+Without the engine's kernels: oneDNN, else F.linear.
 """
 
 from __future__ import annotations
