@@ -33,8 +33,13 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.checkpoints.model_info import ModelInfo
+
+if TYPE_CHECKING:
+    from engine.core.engine import LLMEngine
+    from engine.plan.resolved import ResolvedPlan
 
 DECODE_ROWS = 8  # sequences in a decode step (the rows of each linear layer's input)
 DECODE_CONTEXT = 512  # cached tokens per sequence the attention reads
@@ -241,7 +246,7 @@ def attention_bytes(
     return layers * layer_bytes / _best_pass(run, repeats)
 
 
-def _host_plan(folder: Path, dcp: int):
+def _host_plan(folder: Path, dcp: int) -> ResolvedPlan:
     """The resolved tp 1 / `dcp` plan the host timings run on the (tiny) checkpoint in `folder`."""
     from engine.plan.checks import check_plan
     from engine.plan.loader import LoadedPlan
@@ -255,7 +260,7 @@ def _host_plan(folder: Path, dcp: int):
     return check_plan(LoadedPlan(plan=plan, source=Path("host_timing.yaml")), devices_here=False).require_valid()
 
 
-def _decode_step_seconds(engine, rows: int) -> float:
+def _decode_step_seconds(engine: LLMEngine, rows: int) -> float:
     """Median seconds of `engine`'s decode step of `rows` greedy sequences of `HOST_CONTEXT` cached tokens."""
     from engine.core.sequence import SamplingParams
 
