@@ -38,8 +38,9 @@ def main() -> None:
     print(
         f"cpu figures: copy bandwidth {spec.bandwidth / 1e9:.1f} GB/s; at the model's decode shapes, the engine's "
         f"linears {spec.flops32 / 1e9:.1f} GFLOP/s and decode attention {spec.attention_bandwidth / 1e9:.1f} GB/s of "
-        f"KV ({spec.devices_per_node} cores, one thread each); collective {spec.link_latency_s * 1e3:.3f} ms in the "
-        f"node (gloo {spec.network_latency_s * 1e3:.3f} ms); "
+        f"KV ({spec.devices_per_node} cores, one thread each); host per layer {spec.layer_overhead_s * 1e3:.2f} ms "
+        f"(dcp > 1: {spec.dcp_layer_overhead_s * 1e3:.2f} ms); collective {spec.link_latency_s * 1e3:.3f} ms inside "
+        f"a two-rank step (gloo {spec.network_latency_s * 1e3:.3f} ms); "
         f"bench copy bandwidth {report['bandwidth_bytes_s'].get('cpu', 0) / 1e9:.1f} GB/s"
     )
     print()

@@ -23,7 +23,7 @@ from engine.errors import UserError
 from engine.kernels.cpu_gemm import PackableLinear
 from engine.plan.checks import validate_plan_file
 from engine.runtime.model_runner import ModelRunner
-from engine.suggest import decode_timing, measure
+from engine.suggest import decode_timing, hardware, measure
 from engine.suggest.decode_timing import DecodeShapes, decode_shapes
 from engine.suggest.figures import Cluster, expert_fraction
 from engine.suggest.hardware import DeviceSpec, parse_figure, preset
@@ -223,22 +223,54 @@ def test_figures_parse():
         parse_figure("--memory", "lots")
 
 
+CACHED_MACHINE = {"bandwidth": 1.5e10, "collective_latency_s": 1e-4}
+CACHED_DECODE = {
+    "linear_flops_per_core": 2e10,
+    "attention_bytes_per_core": 5e9,
+    "linear_flops_one_rank": 3e10,
+    "attention_bytes_one_rank": 8e9,
+    "layer_host_s": 3e-4,
+    "dcp_layer_host_s": 6e-4,
+    "dcp_step_layer_s": 9e-4,
+    "step_collective_s": 1e-4,
+}
+
+
+def _figures_cache(cache, shapes: DecodeShapes, decode: dict) -> dict:
+    """Write this machine's `cpu` figures cache with `decode` as the figures of `shapes`; return the entry."""
+    entry = {"machine": measure.machine_key(), "version": measure.CACHE_VERSION, "figures": CACHED_MACHINE}
+    entry["decode"] = {shapes.key: decode}
+    cache.write_text(json.dumps(entry))
+    return entry
+
+
+def test_cpu_dcp_step_charges_the_two_rank_collective_latency(tmp_path, monkeypatch, no_pulled_models):
+    """Inside a CPU node a collective costs what it added to the measured two-rank step (`step_collective_s`), once
+    per collective of the layout; a one-rank layout has none to pay."""
+    monkeypatch.setenv("DCPCTL_CPU_FIGURES", str(tmp_path / "cpu.json"))
+    model = planned_model("smollm2-135m-instruct")
+    steps = {}
+    for latency in (0.0, 1e-3):
+        decode = {**CACHED_DECODE, "step_collective_s": latency}
+        _figures_cache(tmp_path / "cpu.json", decode_shapes(model.info), decode)
+        spec = replace(hardware.cpu(model.info), devices_per_node=2)
+        assert spec.link_latency_s == latency and spec.network_latency_s == CACHED_MACHINE["collective_latency_s"]
+        result = suggest(Request(model, Cluster(spec, 2, 1), 576, 6, kv_memory=GiB, dtype="float32"))
+        steps[latency] = (_by_layout(result, 1, 1).step, _by_layout(result, 1, 2, sharded=True, comm="a2a").step)
+    (one_free, two_free), (one, two) = steps[0.0], steps[1e-3]
+    assert one.seconds == one_free.seconds
+    count = sum(c.count for c in two.collectives)
+    assert count == 92  # 30 all-to-alls of the combine, 62 all-reduces of the sharded dense layers
+    assert two.comm_s - two_free.comm_s == pytest.approx(count * 1e-3)
+    assert two.seconds - two_free.seconds == pytest.approx(count * 1e-3)
+
+
 def test_cpu_figures_come_from_the_cache(tmp_path, monkeypatch, no_pulled_models):
     cache = tmp_path / "cpu.json"
     monkeypatch.setenv("DCPCTL_CPU_FIGURES", str(cache))
     smol, llama = (decode_shapes(planned_model(m).info) for m in ("smollm2-135m-instruct", "llama-3.1-8b-instruct"))
-    machine = {"bandwidth": 1.5e10, "collective_latency_s": 1e-4, "shm_collective_latency_s": 1e-5}
-    decode = {
-        "linear_flops_per_core": 2e10,
-        "attention_bytes_per_core": 5e9,
-        "linear_flops_one_rank": 3e10,
-        "attention_bytes_one_rank": 8e9,
-        "layer_host_s": 3e-4,
-        "dcp_layer_host_s": 6e-4,
-    }
-    entry = {"machine": measure.machine_key(), "version": measure.CACHE_VERSION, "figures": machine}
-    entry["decode"] = {smol.key: decode}
-    cache.write_text(json.dumps(entry))
+    machine, decode = CACHED_MACHINE, CACHED_DECODE
+    entry = _figures_cache(cache, smol, decode)
     assert measure.cpu_figures(smol) == {**machine, **decode}
     # another model's shapes: only its decode figures are measured, and filed beside the first model's
     runs = []
@@ -256,9 +288,10 @@ def test_cpu_figures_come_from_the_cache(tmp_path, monkeypatch, no_pulled_models
     assert measure.cpu_figures(llama)["layer_host_s"] == 1e-4 and len(runs) == 1  # cached now
     # another machine's figures are not reused, nor figures from before a figure was measured or measured otherwise
     monkeypatch.setattr(measure.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("measured")))
-    older = {k: v for k, v in machine.items() if k != "shm_collective_latency_s"}
+    older = {k: v for k, v in decode.items() if k != "step_collective_s"}
     for changed in (
-        {"figures": older},
+        {"figures": {k: v for k, v in machine.items() if k != "collective_latency_s"}},
+        {"decode": {smol.key: older}},
         {"machine": {**measure.machine_key(), "cpu": "other"}},
         {"version": measure.CACHE_VERSION - 1},
     ):
@@ -315,8 +348,10 @@ def test_cpu_step_uses_the_figures_of_how_ranks_share_the_cores(no_pulled_models
 
 
 @pytest.mark.slow
+@pytest.mark.multiproc
 def test_decode_timing_runs_the_engines_code(tiny_models, monkeypatch):
-    """Every `cpu` figure of a model is measured through the engine's own layers and step, at its shapes."""
+    """Every `cpu` figure of a model is measured through the engine's own layers and step, at its shapes; the DCP
+    step also as two real ranks (in processes of their own, so their `execute` calls are not counted here)."""
     monkeypatch.setattr(decode_timing, "COLD_BYTES", 2**20)
     info = read_model_info(tiny_models("llama", num_kv_heads=1))
     shapes = decode_shapes(info)

@@ -14,7 +14,11 @@ and on one rank's threads over all cores (a lone rank, whose threads wait for ea
   and heads (`engine.checkpoints.tiny`: widths so small that the step is its host work: Python, op dispatch,
   small ops), for rank 0 of a one-rank layout and of a tp 1 / dcp 2 layout (its DCP combine and dense-layer splits
   included, the collectives themselves left out: one process runs rank 0 alone, and a group of one rank sends
-  nothing), with the threads the engine gives such a rank on this node -> seconds per layer.
+  nothing), with the threads the engine gives such a rank on this node -> seconds per layer;
+- the two ranks' interaction: the same tp 1 / dcp 2 step run as two real ranks (torch.distributed over gloo, the
+  collectives `launch.cpu_comm: auto` gives them, rank 0's step plans over gloo, a rank per core) -> seconds per
+  layer of rank 0's step, and what it adds to the step run alone, per collective of the layout (its collectives'
+  latency inside a step: the wait for the peer, the peer's contention for the cores, the step plan's broadcast).
 
 Each shape's weights (each layer's cache) are allocated in enough copies to fill `COLD_BYTES` and timed one copy
 after the other, so that a pass reads them from memory, as a step reads a model larger than the caches.
@@ -22,13 +26,20 @@ after the other, so that a pass reads them from memory, as a step reads a model 
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.checkpoints.model_info import ModelInfo
+
+if TYPE_CHECKING:
+    from engine.core.engine import LLMEngine
+    from engine.plan.resolved import ResolvedPlan
 
 DECODE_ROWS = 8  # sequences in a decode step (the rows of each linear layer's input)
 DECODE_CONTEXT = 512  # cached tokens per sequence the attention reads
@@ -235,6 +246,31 @@ def attention_bytes(
     return layers * layer_bytes / _best_pass(run, repeats)
 
 
+def _host_plan(folder: Path, dcp: int) -> ResolvedPlan:
+    """The resolved tp 1 / `dcp` plan the host timings run on the (tiny) checkpoint in `folder`."""
+    from engine.plan.checks import check_plan
+    from engine.plan.loader import LoadedPlan
+    from engine.plan.schema import Plan
+
+    plan = Plan(name="host_timing")
+    plan.model.path, plan.model.dtype, plan.model.max_model_len = str(folder), "float32", 4 * BLOCK_SIZE
+    plan.parallel.dcp = dcp
+    plan.cache.block_size, plan.cache.memory = BLOCK_SIZE, "16MiB"
+    plan.launch.device, plan.attention.backend = "cpu", "cpu"
+    return check_plan(LoadedPlan(plan=plan, source=Path("host_timing.yaml")), devices_here=False).require_valid()
+
+
+def _decode_step_seconds(engine: LLMEngine, rows: int) -> float:
+    """Median seconds of `engine`'s decode step of `rows` greedy sequences of `HOST_CONTEXT` cached tokens."""
+    from engine.core.sequence import SamplingParams
+
+    params = SamplingParams(max_tokens=2 * HOST_REPEATS, temperature=0.0, ignore_eos=True)
+    for seq in range(rows):
+        engine.add_request([seq + 1] * HOST_CONTEXT, params)
+    engine.step()  # the prompts' prefill; every step after it decodes all `rows` sequences
+    return statistics.median(_passes(engine.step, HOST_REPEATS))
+
+
 def host_seconds_per_layer(folder: Path, dcp: int, layers: int, rows: int = DECODE_ROWS) -> float:
     """Median seconds per layer of the engine's decode step (`LLMEngine.step`: schedule, run, sample, detokenize)
     of `rows` greedy sequences on rank 0 of a tp 1 / `dcp` plan of the (tiny) checkpoint in `folder`, run in this
@@ -246,38 +282,68 @@ def host_seconds_per_layer(folder: Path, dcp: int, layers: int, rows: int = DECO
     from engine.attention.registry import create_backend
     from engine.core.config import EngineConfig
     from engine.core.engine import LLMEngine
-    from engine.core.sequence import SamplingParams
     from engine.distributed import init_single
-    from engine.plan.checks import check_plan
-    from engine.plan.loader import LoadedPlan
-    from engine.plan.schema import Plan
     from engine.runtime.model_runner import CacheLayout, ModelRunner
 
-    plan = Plan(name="host_timing")
-    plan.model.path, plan.model.dtype, plan.model.max_model_len = str(folder), "float32", 4 * BLOCK_SIZE
-    plan.parallel.dcp = dcp
-    plan.cache.block_size, plan.cache.memory = BLOCK_SIZE, "16MiB"
-    plan.launch.device, plan.attention.backend = "cpu", "cpu"
-    res = check_plan(LoadedPlan(plan=plan, source=Path("host_timing.yaml")), devices_here=False).require_valid()
+    res = _host_plan(folder, dcp)
     config = EngineConfig.from_plan(res)
     torch.set_num_threads(max(1, devices.cpu_cores() // config.local_world_size))
     par = init_single(config.placement, torch.device("cpu"))
     hf_config = AutoConfig.from_pretrained(folder)
     runner = ModelRunner(hf_config, folder, par, torch.float32, create_backend(res.backend), config.max_model_len)
     runner.allocate_cache(CacheLayout(config.num_blocks, BLOCK_SIZE, 1, torch.float32))
-    engine = LLMEngine(config, par, runner)
-    params = SamplingParams(max_tokens=2 * HOST_REPEATS, temperature=0.0, ignore_eos=True)
-    for seq in range(rows):
-        engine.add_request([seq + 1] * HOST_CONTEXT, params)
-    engine.step()  # the prompts' prefill; every step after it decodes all `rows` sequences
-    return statistics.median(_passes(engine.step, HOST_REPEATS)) / layers
+    return _decode_step_seconds(LLMEngine(config, par, runner), rows) / layers
+
+
+def _two_rank_worker(rank: int, folder: str, port: int, out: str, rows: int) -> None:
+    """One rank of the two-rank step timing: both start the engine as the launcher's ranks do (`start_engine`);
+    rank 0 drives the steps and writes its median step's seconds to `out`, rank 1 follows them."""
+    import torch.distributed as dist
+
+    from engine.core.startup import start_engine
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    engine = start_engine(_host_plan(Path(folder), 2))
+    if engine is not None:
+        seconds = _decode_step_seconds(engine, rows)
+        engine.shutdown()
+        Path(out).write_text(json.dumps(seconds))
+    dist.destroy_process_group()
+
+
+def two_rank_step_seconds(folder: Path, rows: int = DECODE_ROWS) -> float:
+    """Median seconds of rank 0's decode step of `rows` greedy sequences of a
+    tp 1 / dcp 2 plan of the (tiny) checkpoint in `folder`, run as two ranks of this node: real torch.distributed
+    (gloo, and the shared-memory collectives `launch.cpu_comm: auto` gives local ranks), a rank per core."""
+    import torch.multiprocessing as mp
+
+    from engine.runtime.launcher import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "step.json"
+        mp.start_processes(
+            _two_rank_worker, args=(str(folder), free_port(), str(out), rows), nprocs=2, start_method="spawn"
+        )
+        return json.loads(out.read_text())
+
+
+def step_collectives(folder: Path, dcp: int) -> int:
+    """Collectives per decode step (every layer's and the step's own) the suggestion charges a tp 1 / `dcp` plan
+    of the checkpoint in `folder` (`engine.placement.collectives`)."""
+    from engine.placement.collectives import collectives
+
+    items = collectives(_host_plan(folder, dcp).placement, ELEMENT_BYTES)
+    return sum(len(c.layers) if c.layers is not None else 1 for c in items)
 
 
 def decode_figures(shapes: DecodeShapes) -> dict[str, float]:
     """The engine's decode work at `shapes` on this CPU: {linear_flops_per_core, attention_bytes_per_core} on one
     thread (each rank of a layout with a rank per core), {linear_flops_one_rank, attention_bytes_one_rank} with one
-    rank's threads on every core (its parallel regions wait for each other), and {layer_host_s, dcp_layer_host_s}
-    (`host_seconds_per_layer` of a one-rank and of a dcp 2 layout)."""
+    rank's threads on every core (its parallel regions wait for each other), {layer_host_s, dcp_layer_host_s}
+    (`host_seconds_per_layer` of a one-rank and of a dcp 2 layout), dcp_step_layer_s (the dcp 2 step per layer run
+    as two ranks, `two_rank_step_seconds`) and step_collective_s: what the two ranks add to the step run alone, per
+    collective the suggestion charges that layout (never below 0)."""
     import torch
 
     from engine import devices
@@ -297,6 +363,10 @@ def decode_figures(shapes: DecodeShapes) -> dict[str, float]:
             folder = make_tiny_checkpoint(Path(tmp) / "tiny", shapes.tiny_arch, **shapes.tiny_sizes)
             figures["layer_host_s"] = host_seconds_per_layer(folder, 1, layers)
             figures["dcp_layer_host_s"] = host_seconds_per_layer(folder, 2, layers)
+            step_s = two_rank_step_seconds(folder)
+            added_s = max(0.0, step_s - figures["dcp_layer_host_s"] * layers)
+            figures["dcp_step_layer_s"] = step_s / layers
+            figures["step_collective_s"] = added_s / step_collectives(folder, 2)
         return figures
     finally:
         torch.set_num_threads(threads)

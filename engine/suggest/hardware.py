@@ -7,10 +7,11 @@ sheet quotes) and across nodes (one 400 Gb/s NIC per GPU, as in DGX H100/H200/B2
 Collective latencies are not in data sheets: the presets assume NCCL/RCCL's small-message latency (~10 us inside a
 node, ~20 us across nodes); they matter only for steps made of many small collectives.
 
-`cpu` is measured (`engine.suggest.measure`): copy bandwidth, collective latencies, and at the model's decode shapes
-the engine's own linear layers (FLOP/s), decode attention (KV bytes/s) and host time per layer, for a rank per core
-and for one rank on all cores (`engine.suggest.decode_timing`). Its ranks share one memory system and the cores
-(`shared` = True), as the engine runs them.
+`cpu` is measured (`engine.suggest.measure`): copy bandwidth, gloo's collective latency, and at the model's decode
+shapes the engine's own linear layers (FLOP/s), decode attention (KV bytes/s) and host time per layer, for a rank per
+core and for one rank on all cores, and a collective's latency inside a two-rank decode step
+(`engine.suggest.decode_timing`). Its ranks share one memory system and the cores (`shared` = True), as the engine
+runs them.
 """
 
 from __future__ import annotations
@@ -161,10 +162,10 @@ def custom(memory: float | None, bandwidth: float | None, flops: float | None, l
 
 
 def cpu(model: ModelInfo, remeasure: bool = False) -> DeviceSpec:
-    """This machine's CPU as one node for `model`: free RAM, measured bandwidth and collective latency (the
-    shared-memory collectives' inside the node, as `launch.cpu_comm=auto` runs them; gloo's between nodes), and the
-    engine's linear layers, decode attention and host work per layer timed at the model's decode shapes (a rank per
-    core, and one rank on all cores).
+    """This machine's CPU as one node for `model`: free RAM, measured bandwidth and collective latency (inside the
+    node: what a collective adds to a real two-rank decode step of the model's tiny twin, as `launch.cpu_comm=auto`
+    runs it; gloo's between nodes), and the engine's linear layers, decode attention and host work per layer timed at
+    the model's decode shapes (a rank per core, and one rank on all cores).
 
     Its ranks share everything; 16-bit matmuls are taken at the measured fp32 rate (CPUs without AMX gain little).
     """
@@ -183,7 +184,7 @@ def cpu(model: ModelInfo, remeasure: bool = False) -> DeviceSpec:
         flops32=flops,
         link_bandwidth=figures["bandwidth"] / 2,  # between local ranks: a copy through shared memory
         network_bandwidth=NIC_400G,
-        link_latency_s=figures["shm_collective_latency_s"] or figures["collective_latency_s"],
+        link_latency_s=figures["step_collective_s"],
         network_latency_s=figures["collective_latency_s"],
         attention_bandwidth=figures["attention_bytes_per_core"] * cores,
         single_rank_flops=figures["linear_flops_one_rank"],

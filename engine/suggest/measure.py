@@ -1,12 +1,12 @@
 """Measuring this machine's CPU for planning (the `cpu` device) and for the bench roofline.
 
 - memory bandwidth: a large tensor copy (bytes read + written over the best time, like STREAM's copy);
-- collective latency: a small all-gather between two local processes, through gloo (what ranks on different nodes
-  use) and through the engine's shared-memory collectives (`engine.shm_comm`, what ranks of one node use), each
-  call after a layer's worth of work on every rank, as in a decode step;
+- gloo's collective latency (what ranks on different nodes use): a small all-gather between two local processes,
+  each call after a layer's worth of work on every rank, as in a decode step;
 - per model (its decode shapes, `engine.suggest.decode_timing`): the engine's linear layers' FLOP/s and its decode
-  attention's KV bytes/s (per core, and of one rank on all cores), and its host time per layer of a decode step
-  (one-rank and DCP layouts).
+  attention's KV bytes/s (per core, and of one rank on all cores), its host time per layer of a decode step
+  (one-rank and DCP layouts), and the latency of a collective between the ranks of one node inside a real
+  two-rank decode step (what the shared-memory collectives cost there).
 
 `cpu_figures` measures once in a fresh interpreter (so the caller holds no torch state) and caches the result per
 machine (CPU model, cores, torch version) in `figures_file()`, the per-model figures under their shapes (a model
@@ -87,24 +87,20 @@ def _collective_worker(rank: int, store_dir: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from engine import shm_comm
     from engine.group_comm import GroupComm
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(f"{store_dir}/store", 2), rank=rank, world_size=2)
     part = torch.zeros(1, 256)
-    latency = {"gloo": _seconds_per_call(lambda: GroupComm(dist.group.WORLD).all_gather_rows(part), rank)}
-    shm = shm_comm.attach(dist.group.WORLD, 60.0)
-    latency["shm"] = None if isinstance(shm, str) else _seconds_per_call(lambda: shm.all_gather_rows(part), rank)
+    latency = _seconds_per_call(lambda: GroupComm(dist.group.WORLD).all_gather_rows(part), rank)
     dist.barrier()
     if rank == 0:
         Path(out).write_text(json.dumps(latency))
     dist.destroy_process_group()
 
 
-def collective_latency() -> dict[str, float | None]:
-    """Seconds per small all-gather between two processes of this machine: {"gloo": s, "shm": s or None when
-    the shared-memory collectives cannot run here}."""
+def collective_latency() -> float:
+    """Seconds per small all-gather through gloo between two processes of this machine."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,8 +130,10 @@ def machine_key() -> dict[str, str | int]:
     return {"cpu": model, "cores": devices.cpu_cores(), "torch": version("torch")}
 
 
-FIGURES = ("bandwidth", "collective_latency_s", "shm_collective_latency_s")
-CACHE_VERSION = 2  # 2: collective latency with work between calls, per-model decode figures
+FIGURES = ("bandwidth", "collective_latency_s")
+# 2: collective latency with work between calls, per-model decode figures; 3: the latency inside a node from a real
+# two-rank step (dcp_step_layer_s, step_collective_s) in place of a synthetic loop's
+CACHE_VERSION = 3
 DECODE_FIGURES = (
     "linear_flops_per_core",
     "attention_bytes_per_core",
@@ -143,6 +141,8 @@ DECODE_FIGURES = (
     "attention_bytes_one_rank",
     "layer_host_s",
     "dcp_layer_host_s",
+    "dcp_step_layer_s",
+    "step_collective_s",
 )
 
 
@@ -169,10 +169,9 @@ def _measure(machine: bool, shapes: DecodeShapes, timeout_s: float) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def cpu_figures(shapes: DecodeShapes, remeasure: bool = False, timeout_s: float = 300.0) -> dict[str, float | None]:
-    """{bandwidth, collective_latency_s (gloo), shm_collective_latency_s (None: no shared-memory collectives here),
-    and the engine's decode work at `shapes` (`decode_timing.decode_figures`)} of this machine, from the cache or
-    measured now."""
+def cpu_figures(shapes: DecodeShapes, remeasure: bool = False, timeout_s: float = 300.0) -> dict[str, float]:
+    """{bandwidth, collective_latency_s (gloo), and the engine's decode work at `shapes`
+    (`decode_timing.decode_figures`)} of this machine, from the cache or measured now."""
     path, key = figures_file(), machine_key()
     cached = {} if remeasure else _cached(path, key)
     figures = cached.get("figures")
@@ -203,12 +202,7 @@ def main() -> None:
     args = parser.parse_args()
     out: dict = {"decode": decode_figures(DecodeShapes.from_dict(json.loads(args.shapes)))}
     if args.machine:
-        latency = collective_latency()
-        out["figures"] = {
-            "bandwidth": copy_bandwidth(),
-            "collective_latency_s": latency["gloo"],
-            "shm_collective_latency_s": latency["shm"],
-        }
+        out["figures"] = {"bandwidth": copy_bandwidth(), "collective_latency_s": collective_latency()}
     print(json.dumps(out))
 
 
