@@ -231,7 +231,6 @@ CACHED_DECODE = {
     "attention_bytes_one_rank": 8e9,
     "layer_host_s": 3e-4,
     "dcp_layer_host_s": 6e-4,
-    "dcp_step_layer_s": 9e-4,
     "step_collective_s": 1e-4,
 }
 

@@ -341,9 +341,9 @@ def decode_figures(shapes: DecodeShapes) -> dict[str, float]:
     """The engine's decode work at `shapes` on this CPU: {linear_flops_per_core, attention_bytes_per_core} on one
     thread (each rank of a layout with a rank per core), {linear_flops_one_rank, attention_bytes_one_rank} with one
     rank's threads on every core (its parallel regions wait for each other), {layer_host_s, dcp_layer_host_s}
-    (`host_seconds_per_layer` of a one-rank and of a dcp 2 layout), dcp_step_layer_s (the dcp 2 step per layer run
-    as two ranks, `two_rank_step_seconds`) and step_collective_s: what the two ranks add to the step run alone, per
-    collective the suggestion charges that layout (never below 0)."""
+    (`host_seconds_per_layer` of a one-rank and of a dcp 2 layout) and step_collective_s: what running the dcp 2 step
+    as two ranks (`two_rank_step_seconds`) adds to rank 0's step run alone, per collective the suggestion charges that
+    layout (never below 0)."""
     import torch
 
     from engine import devices
@@ -363,9 +363,7 @@ def decode_figures(shapes: DecodeShapes) -> dict[str, float]:
             folder = make_tiny_checkpoint(Path(tmp) / "tiny", shapes.tiny_arch, **shapes.tiny_sizes)
             figures["layer_host_s"] = host_seconds_per_layer(folder, 1, layers)
             figures["dcp_layer_host_s"] = host_seconds_per_layer(folder, 2, layers)
-            step_s = two_rank_step_seconds(folder)
-            added_s = max(0.0, step_s - figures["dcp_layer_host_s"] * layers)
-            figures["dcp_step_layer_s"] = step_s / layers
+            added_s = max(0.0, two_rank_step_seconds(folder) - figures["dcp_layer_host_s"] * layers)
             figures["step_collective_s"] = added_s / step_collectives(folder, 2)
         return figures
     finally:

@@ -132,7 +132,7 @@ def machine_key() -> dict[str, str | int]:
 
 FIGURES = ("bandwidth", "collective_latency_s")
 # 2: collective latency with work between calls, per-model decode figures; 3: the latency inside a node from a real
-# two-rank step (dcp_step_layer_s, step_collective_s) in place of a synthetic loop's
+# two-rank step (step_collective_s) in place of a synthetic loop's
 CACHE_VERSION = 3
 DECODE_FIGURES = (
     "linear_flops_per_core",
@@ -141,7 +141,6 @@ DECODE_FIGURES = (
     "attention_bytes_one_rank",
     "layer_host_s",
     "dcp_layer_host_s",
-    "dcp_step_layer_s",
     "step_collective_s",
 )
 
