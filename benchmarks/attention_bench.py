@@ -18,13 +18,14 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine.attention import kv_cache
 from engine.attention.backend import AttentionMetadata, PagedKV
 from engine.attention.registry import create_backend
 from engine.errors import UserError
@@ -92,10 +93,25 @@ def build_case(model: Model, batch: int, local_len: int, dtype: torch.dtype, dev
         lens=torch.full((batch,), local_len, dtype=torch.int64, device=device),
         query_start=torch.arange(batch + 1, dtype=torch.int64, device=device),
         query_counts=[1] * batch,
+        local_lens=[local_len] * batch,
         max_len=local_len,
         block_size=bs,
     )
     return q, kc, vc, kv
+
+
+def in_backend_layout(backend, kc: torch.Tensor, vc: torch.Tensor | None):
+    """The case's caches as the engine would store them for `backend` (a copy only for a head-major backend)."""
+    if not getattr(backend, "head_major_cache", False):
+        return kc, vc
+    blocks, block_size, kv_heads, key_dim = kc.shape
+    _, [(keys, values)] = kv_cache.allocate(
+        1, blocks, block_size, kv_heads, key_dim, vc is None, kc.dtype, kc.device, head_major=True
+    )
+    keys.copy_(kc)
+    if values is not None:
+        values.copy_(vc)
+    return keys, values
 
 
 def prepared(backend, kv: PagedKV, device: str) -> PagedKV:
@@ -104,7 +120,7 @@ def prepared(backend, kv: PagedKV, device: str) -> PagedKV:
         slot_mapping=torch.zeros(0, dtype=torch.int64, device=device),
         num_prefill_tokens=0,
         num_decode_tokens=kv.lens.numel(),
-        decode=PagedKV(kv.block_tables, kv.lens, kv.query_start, kv.query_counts, kv.max_len, kv.block_size),
+        decode=replace(kv, extra={}),
     )
     backend.prepare(md)
     return md.decode
@@ -141,6 +157,7 @@ def measure(name: str, backend, model: Model, case, args, reference) -> tuple[fl
     if name == "torch" and nbytes > args.torch_max_gib * 2**30:
         return None, f"skipped: KV > {args.torch_max_gib:g} GiB", reference
     pkv = prepared(backend, kv, args.device)
+    kc, vc = in_backend_layout(backend, kc, vc)
     scale = model.key_dim**-0.5
 
     def call():

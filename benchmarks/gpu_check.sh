@@ -8,8 +8,8 @@
 #
 # Stages (each under its own timeout, ~8 minutes in all): environment (a python with CUDA torch + triton; missing
 # packages from .whl/ or pip; flash-attn only if a wheel installs, else skipped with a note), the kernel and backend
-# tests on CUDA (pytest -m gpu), tiny-model greedy equivalence per backend, the decode bandwidth benchmark
-# (benchmarks/attention_bench.py) and a Triton tile sweep. Results go to $OUT (default runs/gpu_check/).
+# tests on CUDA (pytest -m gpu), tiny-model greedy equivalence per backend (and the torch backend against HF), the
+# decode bandwidth benchmark (benchmarks/attention_bench.py) and a Triton tile sweep. Results go to $OUT (default runs/gpu_check/).
 # One GPU runs one rank: the tp2 dcp2 whole-model check is the CPU test (tests/test_triton_backend.py, multiproc);
 # here the DCP-sharded math runs on CUDA in test_gpu_backend_matches_torch (dcp 2 per-rank + merge).
 set -uo pipefail
@@ -105,7 +105,7 @@ from pathlib import Path
 
 from engine import LLM, SamplingParams
 from engine.checkpoints.tiny import make_tiny_checkpoint
-from tests.oracle import prompt_ids, write_plan
+from tests.oracle import hf_greedy, prompt_ids, write_plan
 
 smoke = os.environ.get("SMOKE") == "1"
 device = "cpu" if smoke else "cuda"
@@ -146,6 +146,11 @@ for name, dtype, block, backends in runs:
     if "torch" not in results:
         continue
     ref = results["torch"][0]
+    if dtype == "float32":  # the engine's whole CUDA path against the independent oracle (HF on CPU, fp32)
+        hf = [hf_greedy(models[name], p, new)[0] for p in prompts]
+        same = sum(a.token_ids == b for a, b in zip(ref, hf))
+        print(f"| {name} | {dtype} | {block} | HF transformers (CPU) vs torch on {device} | {same}/{len(hf)} | | |")
+        failures += same != len(hf)
     for backend, (outs, secs) in results.items():
         same = sum(a.token_ids == b.token_ids for a, b in zip(outs, ref))
         diff = max(abs(x.logprob - y.logprob) for a, b in zip(outs, ref) for x, y in zip(a.logprobs, b.logprobs))
