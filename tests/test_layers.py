@@ -9,6 +9,7 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import apply_rotary_em
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from engine.attention import kv_cache
+from engine.checkpoints.tiny import make_tiny_checkpoint
 from engine.kernels.cpu_gemm import PackableLinear, pack_weight, packed_linear, packing_available
 from engine.kernels.cpu_isa import detect
 from engine.layers.rotary import RotaryEmbedding
@@ -94,3 +95,17 @@ def test_inlined_attributes_are_the_modules_own_and_follow_reassignment():
     first.weight = replacement  # nn.Module.__setattr__ must win over the inlined entry
     assert first.weight is replacement and first._parameters["weight"] is replacement
     assert torch.equal(first(torch.ones(1, 3)), first.bias.detach().view(1, 4))
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v2"])
+def test_rope_tables_build_under_another_default_device(arch, tmp_path):
+    """The model is built under `with torch.device(cuda)`; the yarn path's frequencies come from HF on CPU, so every
+    table must be built on one explicit device (this failed on an H200 for DeepSeek-V2 only). `meta` stands in."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(make_tiny_checkpoint(tmp_path / arch, arch))
+    dim = getattr(cfg, "qk_rope_head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    expected = RotaryEmbedding(cfg, dim, 64, interleaved=arch != "llama", device=torch.device("cpu"))
+    with torch.device("meta"):
+        rope = RotaryEmbedding(cfg, dim, 64, interleaved=arch != "llama", device=torch.device("cpu"))
+    assert torch.equal(rope.cos, expected.cos) and torch.equal(rope.sin, expected.sin)

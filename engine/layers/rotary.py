@@ -23,21 +23,10 @@ class RotaryEmbedding:
         rope_type = params.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise UserError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-        if rope_type == "default":
-            theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
-            inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
-            scale = 1.0
-        else:
-            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
-        # fp32 throughout, as HF computes it, so positions far out round the same way
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
-        cos, sin = freqs.cos() * scale, freqs.sin() * scale
-        # Full-width tables so that apply() is x * cos + partner(x) * sin: the sign of each pair's
-        # rotation is folded into `sin` (HF's rotate_half negates the partner instead; same bits)
-        if interleaved:
-            cos, sin = cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
-        else:
-            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        # Built on CPU whatever the default device (the model is built under `with torch.device(cuda)`; HF's yarn
+        # frequencies are CPU tensors), in fp32 as HF computes them, then moved to `device`
+        with torch.device("cpu"):
+            cos, sin = _tables(hf_config, params, rope_type, rotary_dim, max_positions, interleaved)
         self.cos, self.sin = cos.to(device), sin.to(device)
         self.interleaved = interleaved
 
@@ -59,3 +48,22 @@ class RotaryEmbedding:
         else:  # dim i rotates with dim i + rotary_dim / 2
             partner = xf.roll(xf.shape[-1] // 2, dims=-1)
         return (xf * cos + partner * sin).to(x.dtype)
+
+
+def _tables(
+    hf_config, params: dict, rope_type: str, rotary_dim: int, max_positions: int, interleaved: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full-width cos and signed sin tables [max_positions, rotary_dim] on the default device."""
+    if rope_type == "default":
+        theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+        scale = 1.0
+    else:
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
+    cos, sin = freqs.cos() * scale, freqs.sin() * scale
+    # Full-width tables so that apply() is x * cos + partner(x) * sin: the sign of each pair's
+    # rotation is folded into `sin` (HF's rotate_half negates the partner instead; same bits)
+    if interleaved:
+        return cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
