@@ -205,16 +205,22 @@ def test_paged_multi_query_rows_attend_to_whole_shard(device, mla):
 def test_split_kv_merge_equals_one_split(device):
     """Forced splits (some past a short sequence's end, one sequence empty) merge to the single-split result."""
     gen = torch.Generator().manual_seed(3)
-    lens = [0, 5, 30]
+    lens = [0, 5, 60]
     kv = make_paged(lens, [1, 1, 1], 4, device, gen)
     kc, vc = caches(int(kv.block_tables.max()) + 1, 4, 1, 16, 16, torch.float32, device, gen)
     q = torch.randn(3, 2, 16, generator=gen).to(device)
-    one = run_paged(q, kc, vc, 16, kv, 0.3, num_splits=1, config=tk.PagedConfig(16, 8))
-    four = run_paged(q, kc, vc, 16, kv, 0.3, num_splits=4, config=tk.PagedConfig(16, 8))
+    one = run_paged(q, kc, vc, 16, kv, 0.3, num_splits=1, config=tk.PagedConfig(16, 16))
+    four = run_paged(q, kc, vc, 16, kv, 0.3, num_splits=4, config=tk.PagedConfig(16, 16))
     ref = reference_paged(q, kc, vc, 16, kv, 0.3)
     for got in (one, four):
         close(got[0], ref[0])
         close(got[1], ref[1])
+
+
+def test_paged_tiles_below_16_are_refused():
+    """tl.dot compiles for a GPU only with tiles of at least 16: a smaller config fails here too, not first on a GPU."""
+    with pytest.raises(ValueError, match="at least 16"):
+        tk.PagedConfig(16, 8)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -365,6 +365,12 @@ class PagedConfig:
     num_warps: int = 4
     num_stages: int = 2
 
+    def __post_init__(self) -> None:
+        # tl.dot compiles for a GPU only with M, N, K >= 16 (the Triton interpreter accepts less)
+        if self.block_m < 16 or self.block_n < 16:
+            raise ValueError(f"PagedConfig tiles must be at least 16 (got block_m={self.block_m}, "
+                             f"block_n={self.block_n}): tl.dot needs it on a GPU")  # fmt: skip
+
 
 def default_paged_config(key_dim: int, queries_per_seq: int, group: int, interpret: bool) -> PagedConfig:
     """Tiling by shape: decode rows are few (one token x the group), context rows many; MLA keys are wide."""
