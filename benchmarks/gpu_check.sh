@@ -5,8 +5,9 @@
 #   bash benchmarks/gpu_check.sh --fetch-wheels  here, with PyPI: pure-Python wheels the GPU image may lack, into
 #                                                .whl/ (git-ignored); carry .whl to the GPU machine with the tree
 #   bash benchmarks/gpu_check.sh --cpu-smoke     here: the same stages on CPU, tiny (checks the script itself)
+#   bash benchmarks/gpu_check.sh --quick         on the GPU machine: environment, tests and equivalence only (~2 min)
 #
-# Stages (each under its own timeout, ~8 minutes in all): environment (a python with CUDA torch + triton; missing
+# Stages (each under its own timeout; ~2.5 minutes on an H200): environment (a python with CUDA torch + triton; missing
 # packages from .whl/ or pip; flash-attn only if a wheel installs, else skipped with a note), the kernel and backend
 # tests on CUDA (pytest -m gpu), tiny-model greedy equivalence per backend (and the torch backend against HF), the
 # decode bandwidth benchmark (benchmarks/attention_bench.py) and a Triton tile sweep. Results go to $OUT (default runs/gpu_check/).
@@ -25,7 +26,9 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
 fi
 
 SMOKE=0
+QUICK=0
 [ "${1:-}" = "--cpu-smoke" ] && SMOKE=1
+[ "${1:-}" = "--quick" ] && QUICK=1  # the correctness stages only (a rerun after a fix)
 OUT=${OUT:-$ROOT/runs/gpu_check}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu_check.log") 2>&1
@@ -100,12 +103,12 @@ record "pytest -m '$MARK'" "${PIPESTATUS[0]}"
 
 stage "tiny models: greedy tokens per backend vs the torch backend"
 SMOKE=$SMOKE timeout 130 "$PY" - <<'EOF' 2>&1 | tee "$OUT/equivalence.md"
-import importlib.util, os, sys, tempfile, time
+import importlib.util, os, sys, tempfile, time, traceback
 from pathlib import Path
 
 from engine import LLM, SamplingParams
 from engine.checkpoints.tiny import make_tiny_checkpoint
-from tests.oracle import hf_greedy, prompt_ids, write_plan
+from tests.oracle import hf_bf16_disagreements, hf_greedy, prompt_ids, write_plan
 
 smoke = os.environ.get("SMOKE") == "1"
 device = "cpu" if smoke else "cuda"
@@ -118,15 +121,30 @@ models = {
     "deepseek_v2 (MLA)": make_tiny_checkpoint(work / "mla", "deepseek_v2"),
 }
 # (model, dtype, block size, backends); fp32 must match the torch backend token for token (ieee dots);
-# bf16 differs in rounding between kernels, so its rows report agreement rather than assert it
+# bf16 differs in rounding between kernels, so its rows report agreement with torch and, per backend, the prompts
+# whose tokens HF bf16 (on CPU) rejects by the project's bf16 rule (tests/oracle.py: beyond HF's own noise). The
+# MLA rows can be rejected there on any backend: the engine absorbs W_UK / W_UV into the query and output, so it
+# rounds at other points than HF's expanded keys and values do (as vLLM's MLA does).
 runs = []
 for name in models:
     runs.append((name, "float32", 16, ["torch", "triton"]))
-    if not smoke:
-        flash = ["flash_attn"] if have_flash else []  # MLA: the flash backend hands its layers to Triton
-        runs.append((name, "bfloat16", 256, ["torch", "triton", *flash]))
-print("| model | dtype | block | backend | tokens equal to torch | max logprob diff | seconds |")
-print("|---|---|---|---|---|---|---|")
+    flash = ["flash_attn"] if have_flash else []  # MLA: the flash backend hands its layers to Triton
+    runs.append((name, "bfloat16", 256, ["torch", "triton", *flash]))
+print("| model | dtype | block | backend | tokens equal to torch | max logprob diff before divergence |"
+      " HF bf16 rule: prompts rejected | seconds |")
+print("|---|---|---|---|---|---|---|---|")
+
+
+def prefix_diff(a, b) -> float:
+    """Largest logprob difference over the steps before the two token streams first differ."""
+    worst = 0.0
+    for x, y, s, t in zip(a.logprobs, b.logprobs, a.token_ids, b.token_ids):
+        if s != t:
+            break
+        worst = max(worst, abs(x.logprob - y.logprob))
+    return worst
+
+
 failures = 0
 for name, dtype, block, backends in runs:
     results = {}
@@ -139,7 +157,8 @@ for name, dtype, block, backends in runs:
             with LLM(plan) as llm:
                 outs = llm.generate(prompts, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, logprobs=1))
         except Exception as exc:  # report and go on: one backend failing must not hide the others
-            print(f"| {name} | {dtype} | {block} | {backend} | ERROR {type(exc).__name__}: {str(exc)[:120]} | | |")
+            traceback.print_exc(limit=-6)  # where, in the log: the table row has only the message
+            print(f"| {name} | {dtype} | {block} | {backend} | ERROR {type(exc).__name__}: {str(exc)[:120]} | | | |")
             failures += 1
             continue
         results[backend] = (outs, time.time() - t0)
@@ -149,18 +168,23 @@ for name, dtype, block, backends in runs:
     if dtype == "float32":  # the engine's whole CUDA path against the independent oracle (HF on CPU, fp32)
         hf = [hf_greedy(models[name], p, new)[0] for p in prompts]
         same = sum(a.token_ids == b for a, b in zip(ref, hf))
-        print(f"| {name} | {dtype} | {block} | HF transformers (CPU) vs torch on {device} | {same}/{len(hf)} | | |")
+        print(f"| {name} | {dtype} | {block} | HF transformers (CPU) vs torch on {device} | {same}/{len(hf)} | | | |")
         failures += same != len(hf)
     for backend, (outs, secs) in results.items():
         same = sum(a.token_ids == b.token_ids for a, b in zip(outs, ref))
-        diff = max(abs(x.logprob - y.logprob) for a, b in zip(outs, ref) for x, y in zip(a.logprobs, b.logprobs))
-        print(f"| {name} | {dtype} | {block} | {backend} | {same}/{len(ref)} | {diff:.2e} | {secs:.1f} |")
+        diff = max(prefix_diff(a, b) for a, b in zip(outs, ref))
+        rejected = ""
+        if dtype == "bfloat16":
+            rejected = sum(bool(hf_bf16_disagreements(models[name], p, o.token_ids)) for p, o in zip(prompts, outs))
+            rejected = f"{rejected}/{len(outs)}"
+        print(f"| {name} | {dtype} | {block} | {backend} | {same}/{len(ref)} | {diff:.2e} | {rejected} | {secs:.1f} |")
         if dtype == "float32" and same != len(ref):
             failures += 1
 sys.exit(1 if failures else 0)
 EOF
 record "tiny-model equivalence" "${PIPESTATUS[0]}"
 
+if [ "$QUICK" = 0 ]; then
 stage "decode attention bandwidth (benchmarks/attention_bench.py)"
 if [ "$SMOKE" = 1 ]; then BENCH=(--device cpu --tiny --contexts 64 --batches 1); else BENCH=(); fi
 timeout 150 "$PY" benchmarks/attention_bench.py "${BENCH[@]}" --out "$OUT"
@@ -169,6 +193,7 @@ record "attention_bench" "$?"
 stage "Triton decode tile sweep (tuning data)"
 timeout 50 "$PY" benchmarks/attention_bench.py "${BENCH[@]}" --sweep | tee "$OUT/triton_sweep.md"
 record "tile sweep" "${PIPESTATUS[0]}"
+fi
 
 stage "done"
 ls -la "$OUT"
