@@ -346,12 +346,34 @@ def test_cpu_step_uses_the_figures_of_how_ranks_share_the_cores(no_pulled_models
     )
 
 
+def test_cpu_step_grows_with_the_batch_by_its_flops_and_kv(no_pulled_models):
+    """At 8 and 16 rows SmolLM2's matmuls on the test node are compute-bound (2 x 134.5M FLOPs per row at 50
+    GFLOP/s: 43 and 86 ms, against 27 ms to read its 513 MiB of weights once): the step grows with the batch by the
+    FLOPs over the throughput and the KV over the attention bandwidth; the weights' read and the host time do not."""
+    model = planned_model("smollm2-135m-instruct")
+    steps = {}
+    for batch in (8, 16):
+        result = suggest(Request(model, Cluster(TEST_CPU, 1, 1), 576, batch, kv_memory=GiB, dtype="float32"))
+        steps[batch] = _by_layout(result, 1, 1).step
+    small, large = steps[8], steps[16]
+    elements = sum(s.elements * s.count for s in decode_shapes(model.info).linears)
+    assert small.compute_s > small.memory_s and large.memory_s == small.memory_s
+    assert large.compute_s - small.compute_s == pytest.approx(2 * 8 * elements / TEST_CPU.flops32)
+    kv_bytes = 8 * 576 * model.info.kv_bytes_per_token(1, 4)
+    assert large.kv_s - small.kv_s == pytest.approx(kv_bytes / TEST_CPU.bandwidth)
+    assert large.overhead_s == small.overhead_s
+    assert large.seconds - small.seconds == pytest.approx(
+        (large.compute_s - small.compute_s) + (large.attention_s - small.attention_s)
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_decode_timing_runs_the_engines_code(tiny_models, monkeypatch):
     """Every `cpu` figure of a model is measured through the engine's own layers and step, at its shapes; the DCP
     step also as two real ranks (in processes of their own, so their `execute` calls are not counted here)."""
     monkeypatch.setattr(decode_timing, "COLD_BYTES", 2**20)
+    monkeypatch.setattr(decode_timing, "TWO_RANK_RUNS", 1)
     info = read_model_info(tiny_models("llama", num_kv_heads=1))
     shapes = decode_shapes(info)
     calls = collections.Counter()

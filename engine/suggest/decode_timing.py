@@ -1,8 +1,10 @@
 """The engine's own decode work, timed on this CPU at a model's shapes (what the `cpu` roofline's figures are).
 
 A decode step on CPU is the linear layers at a few rows, the paged decode attention over each sequence's cached
-tokens, and the host work around them. Each is timed here with the engine's code, on one thread (a rank per core)
-and on one rank's threads over all cores (a lone rank, whose threads wait for each other at every parallel region):
+tokens, and the host work around them. Each is timed here with the engine's code, on one thread per core with every
+core doing the same at once (a layout with a rank per core: its ranks share the memory system and the caches while
+they run the same layers) and on one rank's threads over all cores (a lone rank, whose threads wait for each other
+at every parallel region); each figure is the median of repeated passes (and, side by side, of the processes):
 
 - linears: `engine.layers.linear.ReplicatedLinear`, packed as the engine packs it (GEMV or the GEMM `pack` picks),
   at `DECODE_ROWS` rows over each of the model's weight shapes (one decoder layer's projections and the LM head)
@@ -31,6 +33,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,6 +51,8 @@ COLD_BYTES = 64 * 2**20  # per shape: twice the last-level cache of the CPUs thi
 ELEMENT_BYTES = 4  # fp32, the dtype the `cpu` figures are measured in
 HOST_CONTEXT = 16  # cached tokens per sequence of the host timing: too few for the attention to count
 HOST_REPEATS = 30
+TIMING_REPEATS = 7  # passes of each linear shape / of the attention; the median is the figure
+TWO_RANK_RUNS = 3  # runs of the two-rank step (a run's ranks tend to stay in one wait regime); the median counts
 TINY_MAX_EXPERTS = 64
 TINY_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -164,13 +169,20 @@ def _passes(run, repeats: int) -> list[float]:
     return times
 
 
-def _best_pass(run, repeats: int) -> float:
-    return min(_passes(run, repeats))
+def _median_pass(run, repeats: int) -> float:
+    return statistics.median(_passes(run, repeats))
 
 
-def linear_flops(shapes: DecodeShapes, rows: int = DECODE_ROWS, repeats: int = 5) -> float:
+def _no_sync() -> None:
+    pass
+
+
+def linear_flops(
+    shapes: DecodeShapes, rows: int = DECODE_ROWS, repeats: int = TIMING_REPEATS, sync: Callable[[], None] = _no_sync
+) -> float:
     """fp32 FLOP/s of torch's threads (`torch.get_num_threads`) running the engine's linear layers at `rows` rows
-    over the model's shapes, each shape weighted by how many times a step runs it."""
+    over the model's shapes, each shape weighted by how many times a step runs it (each shape's median pass).
+    `sync` is called before each shape's timing (processes timed side by side start each shape together)."""
     import torch
 
     from engine.layers.linear import ReplicatedLinear
@@ -192,17 +204,22 @@ def linear_flops(shapes: DecodeShapes, rows: int = DECODE_ROWS, repeats: int = 5
             for layer in layers:
                 layer(x)
 
-        per_element = _best_pass(run, repeats) / (copies * out * shape.in_features)
+        sync()
+        per_element = _median_pass(run, repeats) / (copies * out * shape.in_features)
         seconds += per_element * shape.elements * shape.count
         flops += 2.0 * rows * shape.elements * shape.count
     return flops / seconds
 
 
 def attention_bytes(
-    shapes: DecodeShapes, rows: int = DECODE_ROWS, context: int = DECODE_CONTEXT, repeats: int = 5
+    shapes: DecodeShapes,
+    rows: int = DECODE_ROWS,
+    context: int = DECODE_CONTEXT,
+    repeats: int = TIMING_REPEATS,
+    sync: Callable[[], None] = _no_sync,
 ) -> float:
     """KV bytes per second torch's threads' paged decode attention (the engine's CPU backend) reads, at `rows`
-    sequences of `context` tokens of the model's heads."""
+    sequences of `context` tokens of the model's heads (the median pass; `sync` as for `linear_flops`)."""
     import torch
 
     from engine.attention import kv_cache
@@ -243,7 +260,8 @@ def attention_bytes(
         for keys, values in views:
             backend.paged(q, keys, values, shapes.value_dim, kv, scale)
 
-    return layers * layer_bytes / _best_pass(run, repeats)
+    sync()
+    return layers * layer_bytes / _median_pass(run, repeats)
 
 
 def _host_plan(folder: Path, dcp: int) -> ResolvedPlan:
@@ -337,13 +355,53 @@ def step_collectives(folder: Path, dcp: int) -> int:
     return sum(len(c.layers) if c.layers is not None else 1 for c in items)
 
 
+def _per_core_worker(rank: int, procs: int, store_dir: str, shapes: dict, cold_bytes: int, out: str) -> None:
+    """One of `procs` one-thread processes timing the linears and the attention side by side with the others (each
+    shape's timing started together), as the ranks of a layout with a rank per core run them; writes its figures to
+    `out`.`rank`. `cold_bytes`: the parent's `COLD_BYTES` (a spawned process imports the module afresh)."""
+    import torch
+    import torch.distributed as dist
+
+    from engine.runtime.host_allocator import reuse_freed_memory
+
+    global COLD_BYTES
+    COLD_BYTES = cold_bytes
+    reuse_freed_memory()  # as every CPU rank of the engine does
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{store_dir}/store", procs), rank=rank, world_size=procs)
+    timed = DecodeShapes.from_dict(shapes)
+    figures = {
+        "linear_flops_per_core": linear_flops(timed, sync=dist.barrier),
+        "attention_bytes_per_core": attention_bytes(timed, sync=dist.barrier),
+    }
+    dist.barrier()
+    Path(f"{out}.{rank}").write_text(json.dumps(figures))
+    dist.destroy_process_group()
+
+
+def per_core_figures(shapes: DecodeShapes, procs: int) -> dict[str, float]:
+    """{linear_flops_per_core, attention_bytes_per_core}: `linear_flops` and `attention_bytes` on one thread while
+    `procs` processes (a rank per core of this node) run the same work at once, sharing the memory system and the
+    caches as a layout's ranks do; the median over the processes."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/figures"
+        mp.start_processes(
+            _per_core_worker, args=(procs, tmp, shapes.to_dict(), COLD_BYTES, out), nprocs=procs, start_method="spawn"
+        )
+        each = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(procs)]
+    return {key: statistics.median(figures[key] for figures in each) for key in each[0]}
+
+
 def decode_figures(shapes: DecodeShapes) -> dict[str, float]:
     """The engine's decode work at `shapes` on this CPU: {linear_flops_per_core, attention_bytes_per_core} on one
-    thread (each rank of a layout with a rank per core), {linear_flops_one_rank, attention_bytes_one_rank} with one
-    rank's threads on every core (its parallel regions wait for each other), {layer_host_s, dcp_layer_host_s}
-    (`host_seconds_per_layer` of a one-rank and of a dcp 2 layout) and step_collective_s: what running the dcp 2 step
-    as two ranks (`two_rank_step_seconds`) adds to rank 0's step run alone, per collective the suggestion charges that
-    layout (never below 0)."""
+    thread of each core at once (`per_core_figures`: a layout's ranks, a rank per core),
+    {linear_flops_one_rank, attention_bytes_one_rank} with one rank's threads on every core (its parallel regions
+    wait for each other), {layer_host_s, dcp_layer_host_s} (`host_seconds_per_layer` of a one-rank and of a dcp 2
+    layout) and step_collective_s: what running the dcp 2 step as two ranks (`two_rank_step_seconds`, the median of
+    `TWO_RANK_RUNS` runs) adds to rank 0's step run alone, per collective the suggestion charges that layout (never
+    below 0)."""
     import torch
 
     from engine import devices
@@ -352,18 +410,19 @@ def decode_figures(shapes: DecodeShapes) -> dict[str, float]:
 
     reuse_freed_memory()  # as every CPU rank of the engine does
     threads = torch.get_num_threads()
-    figures = {}
+    cores = devices.cpu_cores()
+    figures = per_core_figures(shapes, cores)
     try:
-        for layout, count in (("per_core", 1), ("one_rank", devices.cpu_cores())):
-            torch.set_num_threads(count)
-            figures[f"linear_flops_{layout}"] = linear_flops(shapes)
-            figures[f"attention_bytes_{layout}"] = attention_bytes(shapes)
+        torch.set_num_threads(cores)
+        figures["linear_flops_one_rank"] = linear_flops(shapes)
+        figures["attention_bytes_one_rank"] = attention_bytes(shapes)
         layers = shapes.tiny_sizes["num_layers"]
         with tempfile.TemporaryDirectory() as tmp:
             folder = make_tiny_checkpoint(Path(tmp) / "tiny", shapes.tiny_arch, **shapes.tiny_sizes)
             figures["layer_host_s"] = host_seconds_per_layer(folder, 1, layers)
             figures["dcp_layer_host_s"] = host_seconds_per_layer(folder, 2, layers)
-            added_s = max(0.0, two_rank_step_seconds(folder) - figures["dcp_layer_host_s"] * layers)
+            two_rank_s = statistics.median(two_rank_step_seconds(folder) for _ in range(TWO_RANK_RUNS))
+            added_s = max(0.0, two_rank_s - figures["dcp_layer_host_s"] * layers)
             figures["step_collective_s"] = added_s / step_collectives(folder, 2)
         return figures
     finally:

@@ -9,12 +9,14 @@ DCP math (`engine.dcp.local_len`). The decode step at `batch` sequences of `cont
     + collectives + host overhead per layer
 
 the linear layers and the attention each a roofline of their own, as the engine runs them one after the other. Ranks
-that share a memory system and cores (a CPU node) add up their bytes and FLOPs (a lone rank on a CPU node runs at the
-node's single-rank figures); the attention reads KV at the device's attention bandwidth where it has one below its
-memory bandwidth (cpu: the engine's decode attention as measured; GPU presets: the memory bandwidth); each collective
-costs its latency plus its bytes over the link (the network when its group spans nodes); the host time per layer is
-the device's for the layout's kind (dcp 1, or dcp > 1 with its combine; GPU presets: none); the MoE experts read per
-step are the distinct ones `batch` tokens of `experts_per_token` choices are expected to reach.
+that share a memory system and cores (a CPU node) add up their bytes and FLOPs (cpu: against its per-core figures,
+timed with every core busy at once, so the ranks' contention for memory and caches is in them; a lone rank on a CPU
+node runs at the node's single-rank figures); the attention reads KV at the device's attention bandwidth where it has
+one below its memory bandwidth (cpu: the engine's decode attention as measured; GPU presets: the memory
+bandwidth); each collective costs its latency plus its bytes over the link (the network when its group spans
+nodes); the host time per layer is the device's for the layout's kind (dcp 1, or dcp > 1 with its combine; GPU
+presets: none); the MoE experts read per step are the distinct ones `batch` tokens of `experts_per_token` choices are
+expected to reach.
 """
 
 from __future__ import annotations
