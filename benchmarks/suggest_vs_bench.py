@@ -42,13 +42,14 @@ def main() -> None:
         f"KV ({spec.devices_per_node} cores, one thread each, side by side), one rank on all cores "
         f"{spec.single_rank_flops / 1e9:.1f} GFLOP/s and {spec.single_rank_attention_bandwidth / 1e9:.1f} GB/s; "
         f"host per layer {spec.layer_overhead_s * 1e3:.2f} ms "
-        f"(dcp > 1: {spec.dcp_layer_overhead_s * 1e3:.2f} ms); collective {spec.link_latency_s * 1e3:.3f} ms inside "
+        f"(dcp > 1: {spec.dcp_layer_overhead_s * 1e3:.2f} ms); serving {spec.serve_token_s * 1e3:.2f} ms per token; "
+        f"collective {spec.link_latency_s * 1e3:.3f} ms inside "
         f"a two-rank step (gloo {spec.network_latency_s * 1e3:.3f} ms); "
         f"bench copy bandwidth {report['bandwidth_bytes_s'].get('cpu', 0) / 1e9:.1f} GB/s"
     )
     print()
     print(
-        "| plan | batch | context | predicted step ms (max(weights, matmuls) / attention / comm / host) "
+        "| plan | batch | context | predicted step ms (max(weights, matmuls) / attention / comm / host / serving) "
         "| measured ITL p50 ms | measured / predicted | predicted capacity | allocated capacity |"
     )
     print("|---|---:|---:|---|---:|---:|---:|---:|")
@@ -60,7 +61,8 @@ def main() -> None:
         measured = target["metrics"]["itl"]["p50"]
         allocated = target["num_blocks"] * res.plan.cache.block_size * res.plan.parallel.dcp
         weights = f"max({step.memory_s * 1e3:.1f}, {step.compute_s * 1e3:.1f})"
-        parts = " / ".join([weights, *(f"{x * 1e3:.1f}" for x in (step.attention_s, step.comm_s, step.overhead_s))])
+        rest = (step.attention_s, step.comm_s, step.overhead_s, step.serve_s)
+        parts = " / ".join([weights, *(f"{x * 1e3:.1f}" for x in rest)])
         print(
             f"| {target['label']} | {roof['batch']:.1f} | {context} | {step.seconds * 1e3:.1f} ({parts}) "
             f"| {measured * 1e3:.1f} | {measured / step.seconds:.2f} | {res.kv.token_capacity:,} | {allocated:,} |"

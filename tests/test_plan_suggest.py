@@ -94,6 +94,7 @@ def test_deepseek_v2_lite_on_8_h200_at_128k(tmp_path, monkeypatch, no_pulled_mod
     assert replica.weight_bytes_per_rank > best.weight_bytes_per_rank
     assert replica.check.resolved.kv.token_capacity < best.check.resolved.kv.token_capacity
     assert not capacity.rejected  # MLA: every tp / dcp of 8 devices is a valid layout
+    assert all(c.step.serve_s == 0 and c.step.overhead_s == 0 for c in capacity.accepted)  # data-sheet roofline
 
     # latency among the 8-rank engines: tp8 dcp8 reads the fewest bytes per step (weights / 8 and KV / 8), but the
     # Helix placement (dense layers sharded over 8 replica ranks) wins: it repeats only the small QKV projections
@@ -232,6 +233,7 @@ CACHED_DECODE = {
     "layer_host_s": 3e-4,
     "dcp_layer_host_s": 6e-4,
     "step_collective_s": 1e-4,
+    "serve_token_s": 5e-4,
 }
 
 
@@ -257,6 +259,8 @@ def test_cpu_dcp_step_charges_the_two_rank_collective_latency(tmp_path, monkeypa
         result = suggest(Request(model, Cluster(spec, 2, 1), 576, 6, kv_memory=GiB, dtype="float32"))
         steps[latency] = (_by_layout(result, 1, 1).step, _by_layout(result, 1, 2, sharded=True, comm="a2a").step)
     (one_free, two_free), (one, two) = steps[0.0], steps[1e-3]
+    # the server's work for the 6 streamed tokens of a step, whole, on every layout
+    assert one.serve_s == two.serve_s == pytest.approx(6 * CACHED_DECODE["serve_token_s"])
     assert one.seconds == one_free.seconds
     count = sum(c.count for c in two.collectives)
     assert count == 92  # 30 all-to-alls of the combine, 62 all-reduces of the sharded dense layers

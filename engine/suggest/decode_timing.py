@@ -28,6 +28,7 @@ after the other, so that a pass reads them from memory, as a step reads a model 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -52,6 +53,7 @@ ELEMENT_BYTES = 4  # fp32, the dtype the `cpu` figures are measured in
 HOST_CONTEXT = 16  # cached tokens per sequence of the host timing: too few for the attention to count
 HOST_REPEATS = 30
 TIMING_REPEATS = 7  # passes of each linear shape / of the attention; the median is the figure
+SERVED_TOKENS = 48  # tokens each request of the served timing decodes
 TWO_RANK_RUNS = 3  # runs of the two-rank step (a run's ranks tend to stay in one wait regime); the median counts
 TINY_MAX_EXPERTS = 64
 TINY_ARCHS = {
@@ -346,6 +348,44 @@ def two_rank_step_seconds(folder: Path, rows: int = DECODE_ROWS) -> float:
         return json.loads(out.read_text())
 
 
+def _streamed_token_times(url: str, seq: int, tokens: int) -> list[float]:
+    """Arrival times of the streamed chunks (one a step) of one greedy /v1/completions request."""
+    import httpx
+
+    body = {"prompt": [seq + 1] * HOST_CONTEXT, "max_tokens": tokens, "temperature": 0.0, "stream": True}
+    body["ignore_eos"] = True
+    times = []
+    with httpx.Client(timeout=300.0, trust_env=False) as client, client.stream("POST", url, json=body) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            data = line[5:].strip() if line.startswith("data:") else "[DONE]"
+            if data != "[DONE]" and json.loads(data).get("choices"):  # the last chunk: usage only
+                times.append(time.perf_counter())
+    return times
+
+
+def served_step_seconds(folder: Path, rows: int = DECODE_ROWS) -> float:
+    """Median gap between the streamed tokens of `rows` concurrent greedy requests of `HOST_CONTEXT` prompt tokens
+    to the engine's own server of the one-rank plan of the (tiny) checkpoint in `folder` (a subprocess, as
+    `dcpctl run` serves it: uvicorn's event loop and the engine thread in one process), read by a client in this
+    process (as `dcpctl bench` reads one): the decode step as served, the server's work per token included."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import yaml
+
+    from engine.plan.loader import plan_to_dict
+    from engine.serving.plan_server import PlanServer
+
+    plan_file = folder.parent / "serve_timing.yaml"
+    plan_file.write_text(yaml.safe_dump(plan_to_dict(_host_plan(folder, 1).plan)))
+    with PlanServer(plan_file, log_path=folder.parent / "serve_timing.log") as server:
+        url = f"{server.base_url}/v1/completions"
+        with ThreadPoolExecutor(rows) as pool:
+            streams = list(pool.map(lambda seq: _streamed_token_times(url, seq, SERVED_TOKENS), range(rows)))
+    # from the third token on: every request has had its prefill by then, and each gap is one step of all `rows`
+    return statistics.median(b - a for times in streams for a, b in itertools.pairwise(times[2:]))
+
+
 def step_collectives(folder: Path, dcp: int) -> int:
     """Collectives per decode step (every layer's and the step's own) the suggestion charges a tp 1 / `dcp` plan
     of the checkpoint in `folder` (`engine.placement.collectives`)."""
@@ -399,7 +439,8 @@ def decode_figures(shapes: DecodeShapes) -> dict[str, float]:
     thread of each core at once (`per_core_figures`: a layout's ranks, a rank per core),
     {linear_flops_one_rank, attention_bytes_one_rank} with one rank's threads on every core (its parallel regions
     wait for each other), {layer_host_s, dcp_layer_host_s} (`host_seconds_per_layer` of a one-rank and of a dcp 2
-    layout) and step_collective_s: what running the dcp 2 step as two ranks (`two_rank_step_seconds`, the median of
+    layout), serve_token_s: what serving the one-rank step (`served_step_seconds`) adds to it, per streamed token,
+    and step_collective_s: what running the dcp 2 step as two ranks (`two_rank_step_seconds`, the median of
     `TWO_RANK_RUNS` runs) adds to rank 0's step run alone, per collective the suggestion charges that layout (never
     below 0)."""
     import torch
@@ -420,6 +461,8 @@ def decode_figures(shapes: DecodeShapes) -> dict[str, float]:
         with tempfile.TemporaryDirectory() as tmp:
             folder = make_tiny_checkpoint(Path(tmp) / "tiny", shapes.tiny_arch, **shapes.tiny_sizes)
             figures["layer_host_s"] = host_seconds_per_layer(folder, 1, layers)
+            served_s = served_step_seconds(folder)
+            figures["serve_token_s"] = max(0.0, served_s - figures["layer_host_s"] * layers) / DECODE_ROWS
             figures["dcp_layer_host_s"] = host_seconds_per_layer(folder, 2, layers)
             two_rank_s = statistics.median(two_rank_step_seconds(folder) for _ in range(TWO_RANK_RUNS))
             added_s = max(0.0, two_rank_s - figures["dcp_layer_host_s"] * layers)

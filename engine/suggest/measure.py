@@ -133,7 +133,7 @@ def machine_key() -> dict[str, str | int]:
 FIGURES = ("bandwidth", "collective_latency_s")
 # 2: collective latency with work between calls, per-model decode figures; 3: the latency inside a node from a real
 # two-rank step (step_collective_s) in place of a synthetic loop's; 4: per-core figures timed on every core at once,
-# medians instead of best passes, the two-rank step's median of runs
+# medians instead of best passes, the two-rank step's median of runs, the server's work per token (serve_token_s)
 CACHE_VERSION = 4
 DECODE_FIGURES = (
     "linear_flops_per_core",
@@ -143,6 +143,7 @@ DECODE_FIGURES = (
     "layer_host_s",
     "dcp_layer_host_s",
     "step_collective_s",
+    "serve_token_s",
 )
 
 
