@@ -54,6 +54,7 @@ HOST_CONTEXT = 16  # cached tokens per sequence of the host timing: too few for 
 HOST_REPEATS = 30
 TIMING_REPEATS = 5  # passes of each linear shape / of the attention; the median is the figure
 SERVED_TOKENS = 32  # tokens each request of the served timing decodes
+LONE_REPEATS = 3  # passes a shape in each round of a lone rank's timing (a round after each two-rank run)
 TWO_RANK_RUNS = 3  # runs of the two-rank step (a run's ranks tend to stay in one wait regime); the median counts
 TINY_MAX_EXPERTS = 64
 TINY_ARCHS = {
@@ -438,11 +439,12 @@ def decode_figures(shapes: DecodeShapes) -> dict[str, float]:
     """The engine's decode work at `shapes` on this CPU: {linear_flops_per_core, attention_bytes_per_core} on one
     thread of each core at once (`per_core_figures`: a layout's ranks, a rank per core),
     {linear_flops_one_rank, attention_bytes_one_rank} with one rank's threads on every core (its parallel regions
-    wait for each other), {layer_host_s, dcp_layer_host_s} (`host_seconds_per_layer` of a one-rank and of a dcp 2
-    layout), serve_token_s: what serving the one-rank step (`served_step_seconds`) adds to it, per streamed token,
-    and step_collective_s: what running the dcp 2 step as two ranks (`two_rank_step_seconds`, the median of
-    `TWO_RANK_RUNS` runs) adds to rank 0's step run alone, per collective the suggestion charges that layout (never
-    below 0)."""
+    wait for each other; the median of rounds spread over the whole timing, a lone rank's two threads being the
+    most sensitive to anything else running), {layer_host_s, dcp_layer_host_s} (`host_seconds_per_layer` of a
+    one-rank and of a dcp 2 layout), serve_token_s: what serving the one-rank step (`served_step_seconds`) adds to
+    it, per streamed token, and step_collective_s: what running the dcp 2 step as two ranks
+    (`two_rank_step_seconds`, the median of `TWO_RANK_RUNS` runs) adds to rank 0's step run alone, per collective
+    the suggestion charges that layout (never below 0)."""
     import torch
 
     from engine import devices
@@ -453,10 +455,14 @@ def decode_figures(shapes: DecodeShapes) -> dict[str, float]:
     threads = torch.get_num_threads()
     cores = devices.cpu_cores()
     figures = per_core_figures(shapes, cores)
-    try:
+    lone: list[tuple[float, float]] = []  # a lone rank's (FLOP/s, KV bytes/s), in rounds spread over the timing
+
+    def lone_round() -> None:
         torch.set_num_threads(cores)
-        figures["linear_flops_one_rank"] = linear_flops(shapes)
-        figures["attention_bytes_one_rank"] = attention_bytes(shapes)
+        lone.append((linear_flops(shapes, repeats=LONE_REPEATS), attention_bytes(shapes, repeats=LONE_REPEATS)))
+
+    try:
+        lone_round()
         layers = shapes.tiny_sizes["num_layers"]
         with tempfile.TemporaryDirectory() as tmp:
             folder = make_tiny_checkpoint(Path(tmp) / "tiny", shapes.tiny_arch, **shapes.tiny_sizes)
@@ -464,9 +470,14 @@ def decode_figures(shapes: DecodeShapes) -> dict[str, float]:
             served_s = served_step_seconds(folder)
             figures["serve_token_s"] = max(0.0, served_s - figures["layer_host_s"] * layers) / DECODE_ROWS
             figures["dcp_layer_host_s"] = host_seconds_per_layer(folder, 2, layers)
-            two_rank_s = statistics.median(two_rank_step_seconds(folder) for _ in range(TWO_RANK_RUNS))
-            added_s = max(0.0, two_rank_s - figures["dcp_layer_host_s"] * layers)
+            two_rank = []
+            for _ in range(TWO_RANK_RUNS):
+                two_rank.append(two_rank_step_seconds(folder))
+                lone_round()
+            added_s = max(0.0, statistics.median(two_rank) - figures["dcp_layer_host_s"] * layers)
             figures["step_collective_s"] = added_s / step_collectives(folder, 2)
+        figures["linear_flops_one_rank"] = statistics.median(flops for flops, _ in lone)
+        figures["attention_bytes_one_rank"] = statistics.median(kv for _, kv in lone)
         return figures
     finally:
         torch.set_num_threads(threads)
