@@ -17,6 +17,9 @@ at every parallel region); each figure is the median of repeated passes (and, si
   small ops), for rank 0 of a one-rank layout and of a tp 1 / dcp 2 layout (its DCP combine and dense-layer splits
   included, the collectives themselves left out: one process runs rank 0 alone, and a group of one rank sends
   nothing), with the threads the engine gives such a rank on this node -> seconds per layer;
+- serving: the same tiny one-rank plan served by the engine's own server (a subprocess, as `dcpctl run` serves it)
+  to `DECODE_ROWS` concurrent streaming requests -> what its gap between tokens adds to the in-process step, per
+  streamed token (the server's event loop and SSE work, which takes a core the step needs);
 - the two ranks' interaction: the same tp 1 / dcp 2 step run as two real ranks (torch.distributed over gloo, the
   collectives `launch.cpu_comm: auto` gives them, rank 0's step plans over gloo, a rank per core) -> seconds per
   layer of rank 0's step, and what it adds to the step run alone, per collective of the layout (its collectives'
@@ -360,7 +363,7 @@ def _streamed_token_times(url: str, seq: int, tokens: int) -> list[float]:
         resp.raise_for_status()
         for line in resp.iter_lines():
             data = line[5:].strip() if line.startswith("data:") else "[DONE]"
-            if data != "[DONE]" and json.loads(data).get("choices"):  # the last chunk: usage only
+            if data != "[DONE]" and json.loads(data).get("choices"):
                 times.append(time.perf_counter())
     return times
 
