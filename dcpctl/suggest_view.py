@@ -118,7 +118,7 @@ def render_collectives(console: Console, c: Candidate, label: str) -> None:
     console.print(
         f"{label} {c.name}: step {ms(step.seconds)} ms = max(weights {ms(step.memory_s)}, matmuls "
         f"{ms(step.compute_s)}) + attention {ms(step.attention_s)} + collectives {ms(step.comm_s)} + host "
-        f"{ms(step.overhead_s)} at {c.batch} sequence(s) per engine",
+        f"{ms(step.overhead_s)} + serving {ms(step.serve_s)} at {c.batch} sequence(s) per engine",
         highlight=False,
     )
     if not step.collectives:
@@ -217,6 +217,7 @@ def candidate_dict(c: Candidate) -> dict[str, Any]:
             "attention_s": step.attention_s,
             "comm_s": step.comm_s,
             "overhead_s": step.overhead_s,
+            "serve_s": step.serve_s,
             "bytes_read": step.bytes_read,
             "flops": step.flops,
             "bound": step.bound,

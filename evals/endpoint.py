@@ -71,12 +71,10 @@ def engine_stats(base_url: str) -> dict[str, Any]:
 
 class StatsWatch:
     """Poll GET /v1/engine/stats every `period_s` while the block runs; each sample (a dict with at least
-    `running`) goes to `on_stats`. `mean_running` is the mean of the non-zero `running` counts
-    (the decode batch for the roofline)."""
+    `running`) goes to `on_stats`."""
 
     def __init__(self, base_url: str, on_stats: Callable[[dict[str, Any]], None], period_s: float = 1.0) -> None:
         self.url, self.on_stats, self.period_s = f"{base_url}/v1/engine/stats", on_stats, period_s
-        self.running: list[int] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dcpctl-engine-stats", daemon=True)
 
@@ -88,16 +86,10 @@ class StatsWatch:
                     if resp.status_code == 404:
                         return  # not a dcpctl server (vLLM, ...): nothing to show
                     stats = resp.json()
-                    running = int(stats["running"])
-                except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                except (httpx.HTTPError, ValueError):
                     continue
-                if running:
-                    self.running.append(running)
-                self.on_stats(stats)
-
-    @property
-    def mean_running(self) -> float | None:
-        return sum(self.running) / len(self.running) if self.running else None
+                if isinstance(stats, dict) and "running" in stats:
+                    self.on_stats(stats)
 
     def __enter__(self) -> StatsWatch:
         self._thread.start()

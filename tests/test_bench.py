@@ -119,6 +119,8 @@ def test_metrics_from_known_timestamps():
     assert m.itl.mean == pytest.approx(0.14)
     assert m.itl.p50 == pytest.approx(0.1)
     assert m.itl.p99 == pytest.approx(0.2)
+    # the decode batch of each gap's end: r0's 0.6 / 0.8 / 1.0 see 2 / 1 / 1 decoding, r1's 0.5 / 0.6 see 2 / 2
+    assert m.decode_batch == pytest.approx(8 / 5)
     assert m.e2e.mean == pytest.approx((1.0 + 0.5 + 1.0) / 3)
     assert tpot_of(_records()[3]) is None
 
@@ -145,6 +147,16 @@ def test_handoff_metrics_per_decode_rank_and_the_ttft_split():
     assert h.prefill.mean == pytest.approx(3.0) and h.claim_queue.mean == pytest.approx(0.03)
     assert h.transfer_ttft.mean == pytest.approx(0.07) and h.first_decode.mean == pytest.approx(0.3)
     assert compute_metrics(records[3:], duration_s=1.0).handoff is None
+
+
+def test_decode_batch_is_the_batch_of_the_steps_the_gaps_are():
+    """Eight requests in lockstep for 100 steps, then one alone for 20: the gaps are 8 x 99 steps at batch 8 and 20
+    at batch 1, whatever a sampler of the running count saw (the batch-1 tail is a sixth of the wall time)."""
+    lockstep = [RequestRecord(i, 10, 0.0, 1.0, [1.0 + 0.05 * k for k in range(100)], 5.95, 100) for i in range(7)]
+    tail = RequestRecord(7, 10, 0.0, 1.0, [1.0 + 0.05 * k for k in range(120)], 6.95, 120)
+    m = compute_metrics([*lockstep, tail], duration_s=7.0)
+    assert m.decode_batch == pytest.approx((8 * 8 * 99 + 20) / (8 * 99 + 20))
+    assert compute_metrics([RequestRecord(0, 10, 0.0, 1.0, [1.0], 1.0, 1)], 1.0).decode_batch is None
 
 
 def test_metrics_of_all_failed_requests_are_empty():

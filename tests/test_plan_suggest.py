@@ -94,6 +94,7 @@ def test_deepseek_v2_lite_on_8_h200_at_128k(tmp_path, monkeypatch, no_pulled_mod
     assert replica.weight_bytes_per_rank > best.weight_bytes_per_rank
     assert replica.check.resolved.kv.token_capacity < best.check.resolved.kv.token_capacity
     assert not capacity.rejected  # MLA: every tp / dcp of 8 devices is a valid layout
+    assert all(c.step.serve_s == 0 and c.step.overhead_s == 0 for c in capacity.accepted)  # data-sheet roofline
 
     # latency among the 8-rank engines: tp8 dcp8 reads the fewest bytes per step (weights / 8 and KV / 8), but the
     # Helix placement (dense layers sharded over 8 replica ranks) wins: it repeats only the small QKV projections
@@ -232,6 +233,7 @@ CACHED_DECODE = {
     "layer_host_s": 3e-4,
     "dcp_layer_host_s": 6e-4,
     "step_collective_s": 1e-4,
+    "serve_token_s": 5e-4,
 }
 
 
@@ -257,6 +259,8 @@ def test_cpu_dcp_step_charges_the_two_rank_collective_latency(tmp_path, monkeypa
         result = suggest(Request(model, Cluster(spec, 2, 1), 576, 6, kv_memory=GiB, dtype="float32"))
         steps[latency] = (_by_layout(result, 1, 1).step, _by_layout(result, 1, 2, sharded=True, comm="a2a").step)
     (one_free, two_free), (one, two) = steps[0.0], steps[1e-3]
+    # the server's work for the 6 streamed tokens of a step, whole, on every layout
+    assert one.serve_s == two.serve_s == pytest.approx(6 * CACHED_DECODE["serve_token_s"])
     assert one.seconds == one_free.seconds
     count = sum(c.count for c in two.collectives)
     assert count == 92  # 30 all-to-alls of the combine, 62 all-reduces of the sharded dense layers
@@ -346,12 +350,34 @@ def test_cpu_step_uses_the_figures_of_how_ranks_share_the_cores(no_pulled_models
     )
 
 
+def test_cpu_step_grows_with_the_batch_by_its_flops_and_kv(no_pulled_models):
+    """At 8 and 16 rows SmolLM2's matmuls on the test node are compute-bound (2 x 134.5M FLOPs per row at 50
+    GFLOP/s: 43 and 86 ms, against 27 ms to read its 513 MiB of weights once): the step grows with the batch by the
+    FLOPs over the throughput and the KV over the attention bandwidth; the weights' read and the host time do not."""
+    model = planned_model("smollm2-135m-instruct")
+    steps = {}
+    for batch in (8, 16):
+        result = suggest(Request(model, Cluster(TEST_CPU, 1, 1), 576, batch, kv_memory=GiB, dtype="float32"))
+        steps[batch] = _by_layout(result, 1, 1).step
+    small, large = steps[8], steps[16]
+    elements = sum(s.elements * s.count for s in decode_shapes(model.info).linears)
+    assert small.compute_s > small.memory_s and large.memory_s == small.memory_s
+    assert large.compute_s - small.compute_s == pytest.approx(2 * 8 * elements / TEST_CPU.flops32)
+    kv_bytes = 8 * 576 * model.info.kv_bytes_per_token(1, 4)
+    assert large.kv_s - small.kv_s == pytest.approx(kv_bytes / TEST_CPU.bandwidth)
+    assert large.overhead_s == small.overhead_s
+    assert large.seconds - small.seconds == pytest.approx(
+        (large.compute_s - small.compute_s) + (large.attention_s - small.attention_s)
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_decode_timing_runs_the_engines_code(tiny_models, monkeypatch):
     """Every `cpu` figure of a model is measured through the engine's own layers and step, at its shapes; the DCP
     step also as two real ranks (in processes of their own, so their `execute` calls are not counted here)."""
     monkeypatch.setattr(decode_timing, "COLD_BYTES", 2**20)
+    monkeypatch.setattr(decode_timing, "TWO_RANK_RUNS", 1)
     info = read_model_info(tiny_models("llama", num_kv_heads=1))
     shapes = decode_shapes(info)
     calls = collections.Counter()

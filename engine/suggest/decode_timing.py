@@ -1,8 +1,10 @@
 """The engine's own decode work, timed on this CPU at a model's shapes (what the `cpu` roofline's figures are).
 
 A decode step on CPU is the linear layers at a few rows, the paged decode attention over each sequence's cached
-tokens, and the host work around them. Each is timed here with the engine's code, on one thread (a rank per core)
-and on one rank's threads over all cores (a lone rank, whose threads wait for each other at every parallel region):
+tokens, and the host work around them. Each is timed here with the engine's code, on one thread per core with every
+core doing the same at once (a layout with a rank per core: its ranks share the memory system and the caches while
+they run the same layers) and on one rank's threads over all cores (a lone rank, whose threads wait for each other
+at every parallel region); each figure is the median of repeated passes (and, side by side, of the processes):
 
 - linears: `engine.layers.linear.ReplicatedLinear`, packed as the engine packs it (GEMV or the GEMM `pack` picks),
   at `DECODE_ROWS` rows over each of the model's weight shapes (one decoder layer's projections and the LM head)
@@ -15,6 +17,9 @@ and on one rank's threads over all cores (a lone rank, whose threads wait for ea
   small ops), for rank 0 of a one-rank layout and of a tp 1 / dcp 2 layout (its DCP combine and dense-layer splits
   included, the collectives themselves left out: one process runs rank 0 alone, and a group of one rank sends
   nothing), with the threads the engine gives such a rank on this node -> seconds per layer;
+- serving: the same tiny one-rank plan served by the engine's own server (a subprocess, as `dcpctl run` serves it)
+  to `DECODE_ROWS` concurrent streaming requests -> what its gap between tokens adds to the in-process step, per
+  streamed token (the server's event loop and SSE work, which takes a core the step needs);
 - the two ranks' interaction: the same tp 1 / dcp 2 step run as two real ranks (torch.distributed over gloo, the
   collectives `launch.cpu_comm: auto` gives them, rank 0's step plans over gloo, a rank per core) -> seconds per
   layer of rank 0's step, and what it adds to the step run alone, per collective of the layout (its collectives'
@@ -26,11 +31,13 @@ after the other, so that a pass reads them from memory, as a step reads a model 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,6 +55,10 @@ COLD_BYTES = 64 * 2**20  # per shape: twice the last-level cache of the CPUs thi
 ELEMENT_BYTES = 4  # fp32, the dtype the `cpu` figures are measured in
 HOST_CONTEXT = 16  # cached tokens per sequence of the host timing: too few for the attention to count
 HOST_REPEATS = 30
+TIMING_REPEATS = 5  # passes of each linear shape / of the attention; the median is the figure
+SERVED_TOKENS = 32  # tokens each request of the served timing decodes
+LONE_REPEATS = 3  # passes a shape in each round of a lone rank's timing (a round after each two-rank run)
+TWO_RANK_RUNS = 3  # runs of the two-rank step (a run's ranks tend to stay in one wait regime); the median counts
 TINY_MAX_EXPERTS = 64
 TINY_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -164,13 +175,20 @@ def _passes(run, repeats: int) -> list[float]:
     return times
 
 
-def _best_pass(run, repeats: int) -> float:
-    return min(_passes(run, repeats))
+def _median_pass(run, repeats: int) -> float:
+    return statistics.median(_passes(run, repeats))
 
 
-def linear_flops(shapes: DecodeShapes, rows: int = DECODE_ROWS, repeats: int = 5) -> float:
+def _no_sync() -> None:
+    pass
+
+
+def linear_flops(
+    shapes: DecodeShapes, rows: int = DECODE_ROWS, repeats: int = TIMING_REPEATS, sync: Callable[[], None] = _no_sync
+) -> float:
     """fp32 FLOP/s of torch's threads (`torch.get_num_threads`) running the engine's linear layers at `rows` rows
-    over the model's shapes, each shape weighted by how many times a step runs it."""
+    over the model's shapes, each shape weighted by how many times a step runs it (each shape's median pass).
+    `sync` is called before each shape's timing (processes timed side by side start each shape together)."""
     import torch
 
     from engine.layers.linear import ReplicatedLinear
@@ -192,17 +210,22 @@ def linear_flops(shapes: DecodeShapes, rows: int = DECODE_ROWS, repeats: int = 5
             for layer in layers:
                 layer(x)
 
-        per_element = _best_pass(run, repeats) / (copies * out * shape.in_features)
+        sync()
+        per_element = _median_pass(run, repeats) / (copies * out * shape.in_features)
         seconds += per_element * shape.elements * shape.count
         flops += 2.0 * rows * shape.elements * shape.count
     return flops / seconds
 
 
 def attention_bytes(
-    shapes: DecodeShapes, rows: int = DECODE_ROWS, context: int = DECODE_CONTEXT, repeats: int = 5
+    shapes: DecodeShapes,
+    rows: int = DECODE_ROWS,
+    context: int = DECODE_CONTEXT,
+    repeats: int = TIMING_REPEATS,
+    sync: Callable[[], None] = _no_sync,
 ) -> float:
     """KV bytes per second torch's threads' paged decode attention (the engine's CPU backend) reads, at `rows`
-    sequences of `context` tokens of the model's heads."""
+    sequences of `context` tokens of the model's heads (the median pass; `sync` as for `linear_flops`)."""
     import torch
 
     from engine.attention import kv_cache
@@ -243,7 +266,8 @@ def attention_bytes(
         for keys, values in views:
             backend.paged(q, keys, values, shapes.value_dim, kv, scale)
 
-    return layers * layer_bytes / _best_pass(run, repeats)
+    sync()
+    return layers * layer_bytes / _median_pass(run, repeats)
 
 
 def _host_plan(folder: Path, dcp: int) -> ResolvedPlan:
@@ -328,6 +352,44 @@ def two_rank_step_seconds(folder: Path, rows: int = DECODE_ROWS) -> float:
         return json.loads(out.read_text())
 
 
+def _streamed_token_times(url: str, seq: int, tokens: int) -> list[float]:
+    """Arrival times of the streamed chunks (one a step) of one greedy /v1/completions request."""
+    import httpx
+
+    body = {"prompt": [seq + 1] * HOST_CONTEXT, "max_tokens": tokens, "temperature": 0.0, "stream": True}
+    body["ignore_eos"] = True
+    times = []
+    with httpx.Client(timeout=300.0, trust_env=False) as client, client.stream("POST", url, json=body) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            data = line[5:].strip() if line.startswith("data:") else "[DONE]"
+            if data != "[DONE]" and json.loads(data).get("choices"):
+                times.append(time.perf_counter())
+    return times
+
+
+def served_step_seconds(folder: Path, rows: int = DECODE_ROWS) -> float:
+    """Median gap between the streamed tokens of `rows` concurrent greedy requests of `HOST_CONTEXT` prompt tokens
+    to the engine's own server of the one-rank plan of the (tiny) checkpoint in `folder` (a subprocess, as
+    `dcpctl run` serves it: uvicorn's event loop and the engine thread in one process), read by a client in this
+    process (as `dcpctl bench` reads one): the decode step as served, the server's work per token included."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import yaml
+
+    from engine.plan.loader import plan_to_dict
+    from engine.serving.plan_server import PlanServer
+
+    plan_file = folder.parent / "serve_timing.yaml"
+    plan_file.write_text(yaml.safe_dump(plan_to_dict(_host_plan(folder, 1).plan)))
+    with PlanServer(plan_file, log_path=folder.parent / "serve_timing.log") as server:
+        url = f"{server.base_url}/v1/completions"
+        with ThreadPoolExecutor(rows) as pool:
+            streams = list(pool.map(lambda seq: _streamed_token_times(url, seq, SERVED_TOKENS), range(rows)))
+    # from the third token on: every request has had its prefill by then, and each gap is one step of all `rows`
+    return statistics.median(b - a for times in streams for a, b in itertools.pairwise(times[2:]))
+
+
 def step_collectives(folder: Path, dcp: int) -> int:
     """Collectives per decode step (every layer's and the step's own) the suggestion charges a tp 1 / `dcp` plan
     of the checkpoint in `folder` (`engine.placement.collectives`)."""
@@ -337,13 +399,55 @@ def step_collectives(folder: Path, dcp: int) -> int:
     return sum(len(c.layers) if c.layers is not None else 1 for c in items)
 
 
+def _per_core_worker(rank: int, procs: int, store_dir: str, shapes: dict, cold_bytes: int, out: str) -> None:
+    """One of `procs` one-thread processes timing the linears and the attention side by side with the others (each
+    shape's timing started together), as the ranks of a layout with a rank per core run them; writes its figures to
+    `out`.`rank`. `cold_bytes`: the parent's `COLD_BYTES` (a spawned process imports the module afresh)."""
+    import torch
+    import torch.distributed as dist
+
+    from engine.runtime.host_allocator import reuse_freed_memory
+
+    global COLD_BYTES
+    COLD_BYTES = cold_bytes
+    reuse_freed_memory()  # as every CPU rank of the engine does
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(f"{store_dir}/store", procs), rank=rank, world_size=procs)
+    timed = DecodeShapes.from_dict(shapes)
+    figures = {
+        "linear_flops_per_core": linear_flops(timed, sync=dist.barrier),
+        "attention_bytes_per_core": attention_bytes(timed, sync=dist.barrier),
+    }
+    dist.barrier()
+    Path(f"{out}.{rank}").write_text(json.dumps(figures))
+    dist.destroy_process_group()
+
+
+def per_core_figures(shapes: DecodeShapes, procs: int) -> dict[str, float]:
+    """{linear_flops_per_core, attention_bytes_per_core}: `linear_flops` and `attention_bytes` on one thread while
+    `procs` processes (a rank per core of this node) run the same work at once, sharing the memory system and the
+    caches as a layout's ranks do; the median over the processes."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/figures"
+        mp.start_processes(
+            _per_core_worker, args=(procs, tmp, shapes.to_dict(), COLD_BYTES, out), nprocs=procs, start_method="spawn"
+        )
+        each = [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(procs)]
+    return {key: statistics.median(figures[key] for figures in each) for key in each[0]}
+
+
 def decode_figures(shapes: DecodeShapes) -> dict[str, float]:
     """The engine's decode work at `shapes` on this CPU: {linear_flops_per_core, attention_bytes_per_core} on one
-    thread (each rank of a layout with a rank per core), {linear_flops_one_rank, attention_bytes_one_rank} with one
-    rank's threads on every core (its parallel regions wait for each other), {layer_host_s, dcp_layer_host_s}
-    (`host_seconds_per_layer` of a one-rank and of a dcp 2 layout) and step_collective_s: what running the dcp 2 step
-    as two ranks (`two_rank_step_seconds`) adds to rank 0's step run alone, per collective the suggestion charges that
-    layout (never below 0)."""
+    thread of each core at once (`per_core_figures`: a layout's ranks, a rank per core),
+    {linear_flops_one_rank, attention_bytes_one_rank} with one rank's threads on every core (its parallel regions
+    wait for each other; the median of rounds spread over the whole timing, a lone rank's two threads being the
+    most sensitive to anything else running), {layer_host_s, dcp_layer_host_s} (`host_seconds_per_layer` of a
+    one-rank and of a dcp 2 layout), serve_token_s: what serving the one-rank step (`served_step_seconds`) adds to
+    it, per streamed token, and step_collective_s: what running the dcp 2 step as two ranks
+    (`two_rank_step_seconds`, the median of `TWO_RANK_RUNS` runs) adds to rank 0's step run alone, per collective
+    the suggestion charges that layout (never below 0)."""
     import torch
 
     from engine import devices
@@ -352,19 +456,31 @@ def decode_figures(shapes: DecodeShapes) -> dict[str, float]:
 
     reuse_freed_memory()  # as every CPU rank of the engine does
     threads = torch.get_num_threads()
-    figures = {}
+    cores = devices.cpu_cores()
+    figures = per_core_figures(shapes, cores)
+    lone: list[tuple[float, float]] = []  # a lone rank's (FLOP/s, KV bytes/s), in rounds spread over the timing
+
+    def lone_round() -> None:
+        torch.set_num_threads(cores)
+        lone.append((linear_flops(shapes, repeats=LONE_REPEATS), attention_bytes(shapes, repeats=LONE_REPEATS)))
+
     try:
-        for layout, count in (("per_core", 1), ("one_rank", devices.cpu_cores())):
-            torch.set_num_threads(count)
-            figures[f"linear_flops_{layout}"] = linear_flops(shapes)
-            figures[f"attention_bytes_{layout}"] = attention_bytes(shapes)
+        lone_round()
         layers = shapes.tiny_sizes["num_layers"]
         with tempfile.TemporaryDirectory() as tmp:
             folder = make_tiny_checkpoint(Path(tmp) / "tiny", shapes.tiny_arch, **shapes.tiny_sizes)
             figures["layer_host_s"] = host_seconds_per_layer(folder, 1, layers)
+            served_s = served_step_seconds(folder)
+            figures["serve_token_s"] = max(0.0, served_s - figures["layer_host_s"] * layers) / DECODE_ROWS
             figures["dcp_layer_host_s"] = host_seconds_per_layer(folder, 2, layers)
-            added_s = max(0.0, two_rank_step_seconds(folder) - figures["dcp_layer_host_s"] * layers)
+            two_rank = []
+            for _ in range(TWO_RANK_RUNS):
+                two_rank.append(two_rank_step_seconds(folder))
+                lone_round()
+            added_s = max(0.0, statistics.median(two_rank) - figures["dcp_layer_host_s"] * layers)
             figures["step_collective_s"] = added_s / step_collectives(folder, 2)
+        figures["linear_flops_one_rank"] = statistics.median(flops for flops, _ in lone)
+        figures["attention_bytes_one_rank"] = statistics.median(kv for _, kv in lone)
         return figures
     finally:
         torch.set_num_threads(threads)

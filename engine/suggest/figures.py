@@ -6,15 +6,19 @@ DCP math (`engine.dcp.local_len`). The decode step at `batch` sequences of `cont
 
     max(weight bytes / memory bandwidth, matmul FLOPs / matmul throughput)
     + max(KV bytes / attention bandwidth, attention FLOPs / matmul throughput)
-    + collectives + host overhead per layer
+    + collectives + host overhead per layer + serving
 
 the linear layers and the attention each a roofline of their own, as the engine runs them one after the other. Ranks
-that share a memory system and cores (a CPU node) add up their bytes and FLOPs (a lone rank on a CPU node runs at the
-node's single-rank figures); the attention reads KV at the device's attention bandwidth where it has one below its
-memory bandwidth (cpu: the engine's decode attention as measured; GPU presets: the memory bandwidth); each collective
-costs its latency plus its bytes over the link (the network when its group spans nodes); the host time per layer is
-the device's for the layout's kind (dcp 1, or dcp > 1 with its combine; GPU presets: none); the MoE experts read per
-step are the distinct ones `batch` tokens of `experts_per_token` choices are expected to reach.
+that share a memory system and cores (a CPU node) add up their bytes and FLOPs (cpu: against its per-core figures,
+timed with every core busy at once, so the ranks' contention for memory and caches is in them; a lone rank on a CPU
+node runs at the node's single-rank figures); the attention reads KV at the device's attention bandwidth where it has
+one below its memory bandwidth (cpu: the engine's decode attention as measured; GPU presets: the memory
+bandwidth); each collective costs its latency plus its bytes over the link (the network when its group spans
+nodes); the host time per layer is the device's for the layout's kind (dcp 1, or dcp > 1 with its combine; GPU
+presets: none); serving is the server's work per streamed token (cpu: measured) for `batch` tokens, added whole: it
+takes a core from one of the step's threads or ranks, and the others wait for that one at the next parallel region or
+collective (GPU presets: none); the MoE experts read per step are the distinct ones
+`batch` tokens of `experts_per_token` choices are expected to reach.
 """
 
 from __future__ import annotations
@@ -76,13 +80,14 @@ class DecodeStep:
     attention_compute_s: float  # the decode attention's FLOPs
     comm_s: float
     overhead_s: float
+    serve_s: float  # the server's work for the step's streamed tokens (on a core the step needed)
     bytes_read: float  # by the busiest memory system: weights and KV
     flops: float  # on the busiest compute share: matmuls and attention
     collectives: tuple[StepCollective, ...]
 
     @property
     def seconds(self) -> float:
-        return max(self.memory_s, self.compute_s) + self.attention_s + self.comm_s + self.overhead_s
+        return max(self.memory_s, self.compute_s) + self.attention_s + self.comm_s + self.overhead_s + self.serve_s
 
     @property
     def attention_s(self) -> float:
@@ -199,6 +204,7 @@ def decode_step(
         attention_compute_s=ranks_sharing * attention_flops / flops,
         comm_s=sum(c.seconds for c in steps),
         overhead_s=(spec.dcp_layer_overhead_s if layout.dcp > 1 else spec.layer_overhead_s) * model.num_layers,
+        serve_s=batch * spec.serve_token_s,
         bytes_read=ranks_sharing * (weights_read + kv_read),
         flops=ranks_sharing * (matmul_flops + attention_flops),
         collectives=steps,

@@ -52,6 +52,9 @@ class DeviceSpec:
     single_rank_attention_bandwidth: float | None = None
     layer_overhead_s: float = 0.0  # host time per layer of a decode step (cpu: measured; GPU presets: 0, the roofline)
     dcp_layer_overhead_s: float = 0.0  # the same on a rank of a layout with dcp > 1 (its combine's small ops)
+    # cpu: the server's work per streamed token (SSE, its event loop), on a core the step needs (measured); GPU
+    # presets: 0 (it runs on the host's cores, not on the device)
+    serve_token_s: float = 0.0
     shared: bool = False  # ranks of a node share its memory, bandwidth and cores (cpu)
     devices_per_node: int = 8  # a node's devices when --devices is not given
 
@@ -192,6 +195,7 @@ def cpu(model: ModelInfo, remeasure: bool = False) -> DeviceSpec:
         source=f"measured on this machine ({cores} cores; cached in {figures_file()}, --remeasure to redo)",
         layer_overhead_s=figures["layer_host_s"],
         dcp_layer_overhead_s=figures["dcp_layer_host_s"],
+        serve_token_s=figures["serve_token_s"],
         shared=True,
         devices_per_node=cores,
     )

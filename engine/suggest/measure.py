@@ -4,8 +4,8 @@
 - gloo's collective latency (what ranks on different nodes use): a small all-gather between two local processes,
   each call after a layer's worth of work on every rank, as in a decode step;
 - per model (its decode shapes, `engine.suggest.decode_timing`): the engine's linear layers' FLOP/s and its decode
-  attention's KV bytes/s (per core, and of one rank on all cores), its host time per layer of a decode step
-  (one-rank and DCP layouts), and the latency of a collective between the ranks of one node inside a real
+  attention's KV bytes/s (per core with every core busy, and of one rank on all cores), its host time per layer of
+  a decode step (one-rank and DCP layouts), and the latency of a collective between the ranks of one node inside a real
   two-rank decode step (what the shared-memory collectives cost there).
 
 `cpu_figures` measures once in a fresh interpreter (so the caller holds no torch state) and caches the result per
@@ -132,8 +132,9 @@ def machine_key() -> dict[str, str | int]:
 
 FIGURES = ("bandwidth", "collective_latency_s")
 # 2: collective latency with work between calls, per-model decode figures; 3: the latency inside a node from a real
-# two-rank step (step_collective_s) in place of a synthetic loop's
-CACHE_VERSION = 3
+# two-rank step (step_collective_s) in place of a synthetic loop's; 4: per-core figures timed on every core at once,
+# medians instead of best passes, the two-rank step's median of runs, the server's work per token (serve_token_s)
+CACHE_VERSION = 4
 DECODE_FIGURES = (
     "linear_flops_per_core",
     "attention_bytes_per_core",
@@ -142,6 +143,7 @@ DECODE_FIGURES = (
     "layer_host_s",
     "dcp_layer_host_s",
     "step_collective_s",
+    "serve_token_s",
 )
 
 

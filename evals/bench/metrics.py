@@ -4,6 +4,9 @@
 - TPOT: per request, (last token arrival - first token arrival) / (output tokens - 1); requests with one token
   have none. This is the decode time per token the request saw, prefill excluded.
 - ITL: gaps between consecutive chunk arrivals, pooled over requests.
+- Decode batch: the mean, over the ITL gaps, of the requests decoding when the gap ended (between their first and
+  last token): the batch of the steps the ITL percentiles are made of (a server decodes every running sequence
+  each step, so each gap is one step at that batch).
 - Throughput: output tokens (and requests) of the successful requests over the run's wall time.
 - Hand-off (P/D deployments, from each request's `kv_transfer`): descriptors, bytes and READ time per decode rank,
   the single-region READ of the same bytes when measured, and TTFT split into prefill, claim + queue, transfer
@@ -97,6 +100,7 @@ class BenchMetrics:
     ttft: Stat
     tpot: Stat
     itl: Stat
+    decode_batch: float | None  # requests decoding at the end of the mean ITL gap (module docstring)
     e2e: Stat
     short_requests: int  # successful requests with fewer output tokens than asked for (EOS honoured, ...)
     handoff: HandoffMetrics | None = None  # P/D deployments only
@@ -110,6 +114,19 @@ def tpot_of(rec: RequestRecord) -> float | None:
     if not rec.ok or rec.output_tokens < 2 or not rec.token_times:
         return None
     return (rec.token_times[-1] - rec.token_times[0]) / (rec.output_tokens - 1)
+
+
+def decode_batch(records: list[RequestRecord]) -> float | None:
+    """The mean over every ITL gap of the requests decoding when it ended (first token arrived, last not yet
+    passed); None without gaps."""
+    ok = [r for r in records if r.ok and len(r.token_times) > 1]
+    firsts = np.sort([r.token_times[0] for r in ok])
+    lasts = np.sort([r.token_times[-1] for r in ok])
+    ends = np.concatenate([r.token_times[1:] for r in ok]) if ok else np.empty(0)
+    if not ends.size:
+        return None
+    decoding = np.searchsorted(firsts, ends, side="right") - np.searchsorted(lasts, ends, side="left")
+    return float(decoding.mean())
 
 
 def compute_metrics(records: list[RequestRecord], duration_s: float, output_len: int | None = None) -> BenchMetrics:
@@ -134,6 +151,7 @@ def compute_metrics(records: list[RequestRecord], duration_s: float, output_len:
         ttft=Stat.of(ttfts),
         tpot=Stat.of(tpots),
         itl=Stat.of(itls),
+        decode_batch=decode_batch(ok),
         e2e=Stat.of(e2es),
         short_requests=sum(1 for r in ok if output_len is not None and r.output_tokens < output_len),
         handoff=handoff_of(records),

@@ -25,7 +25,7 @@ from evals.targets import Target
 
 WARMUP_OUTPUT_LEN = 16  # warm-up requests: full-length prompts, a few output tokens
 
-Measured = tuple[RunResult, dict[str, Any], dict[str, Any], float | None]
+Measured = tuple[RunResult, dict[str, Any], dict[str, Any]]
 
 
 def _first_error(records: list[RequestRecord]) -> str | None:
@@ -33,7 +33,7 @@ def _first_error(records: list[RequestRecord]) -> str | None:
 
 
 def measure_server(base_url: str, ctx: BenchContext, feed: TargetFeed) -> Measured:
-    """Warm up, then run the workload; (run, stats before, stats after, mean running sequences)."""
+    """Warm up, then run the workload; (run, stats before, stats after)."""
     opts, wl = ctx.opts, ctx.workload
     model = served_model(base_url)
     if wl.warmup:
@@ -52,7 +52,7 @@ def measure_server(base_url: str, ctx: BenchContext, feed: TargetFeed) -> Measur
             f"measuring: {st['running']} running, {st.get('waiting')} waiting, KV blocks {st.get('used_blocks')} used"
         )
 
-    with StatsWatch(base_url, show, period_s=0.5) as watch:
+    with StatsWatch(base_url, show, period_s=0.5):
         run = run_requests(
             base_url,
             model,
@@ -63,7 +63,7 @@ def measure_server(base_url: str, ctx: BenchContext, feed: TargetFeed) -> Measur
             seed=opts.seed,
             on_done=lambda _rec: feed.advance(),
         )
-    return run, before, engine_stats(base_url), watch.mean_running
+    return run, before, engine_stats(base_url)
 
 
 def _fill(result: TargetBench, run: RunResult, ctx: BenchContext) -> None:
@@ -137,7 +137,7 @@ def bench_target(target: Target, ctx: BenchContext, plan_dir: Path, keep_files: 
     if outcome.value is None:
         result.error = outcome.error
         return result
-    run, before, after, mean_running = outcome.value
+    run, before, after = outcome.value
     _fill(result, run, ctx)
     result.stats = after
     result.num_blocks = after.get("num_blocks")
@@ -157,7 +157,7 @@ def bench_target(target: Target, ctx: BenchContext, plan_dir: Path, keep_files: 
             dcp=resolved.plan.parallel.dcp,
             ranks_per_memory=resolved.local_world_size if device == "cpu" else 1,
             device=device,
-            batch=mean_running,
+            batch=result.metrics.decode_batch,
         )
     return result
 
