@@ -199,6 +199,13 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 constexpr int64_t kVec = 16;
+// The vector path of paged_decode is measured on AVX-512 only (where 16 lanes are one register); AVX2 and portable
+// builds keep the scalar loops, as before it.
+#if defined(__AVX512F__)
+constexpr bool kVectorDecode = true;
+#else
+constexpr bool kVectorDecode = false;
+#endif
 
 inline v16 vload16(const float* p) {
   v16 v;
@@ -277,13 +284,13 @@ constexpr int64_t kMinChunkTokens = 64;  // below this a context is not worth sp
 // long contexts split into chunks so that every thread has work. An item leaves, per query head, its
 // chunk's max score, sum of exp(score - max) and exp-weighted value sum; a second pass merges the
 // chunks of each head exactly (the same algebra as the DCP merge).
-// Compile-time head sizes that are whole vectors (64, 128) take the vector path: a key row in registers against
+// On AVX-512, compile-time head sizes that are whole vectors (64, 128) take the vector path: a key row in registers against
 // each query head, the value sums of up to 16 vectors of heads in registers over the whole chunk, and each next
 // block's rows prefetched (a batch-16 decode step read its KV at a third of the memory bandwidth without).
 template <typename Q, typename C, int64_t FixedDk, int64_t FixedDv>
 void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tables, const int64_t* lens, Q* out,
                   float* lse, const DecodeShape& a) {
-  constexpr bool kVector = FixedDk > 0 && FixedDk % kVec == 0 && FixedDv > 0 && FixedDv % kVec == 0;
+  constexpr bool kVector = kVectorDecode && FixedDk > 0 && FixedDk % kVec == 0 && FixedDv > 0 && FixedDv % kVec == 0;
   constexpr int64_t kNk = FixedDk / kVec, kNv = FixedDv / kVec;
   constexpr int64_t kHeadsInRegisters = kVector ? std::max<int64_t>(1, 16 / std::max<int64_t>(1, kNv)) : 1;
   // compile-time head sizes for the common ones let the compiler unroll the per-token loops
