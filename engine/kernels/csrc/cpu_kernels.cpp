@@ -22,6 +22,10 @@
 #include <tuple>
 #include <vector>
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // Elements of work below which a loop stays on the calling thread. Every at::parallel_for that forks is a
@@ -172,7 +176,8 @@ void store_kv(const at::Tensor& new_kv, at::Tensor& cache, const at::Tensor& slo
 // |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial (relative error < 2e-7), 2^n into the exponent.
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);  // below this e^x underflows fp32's normal range; the sums cannot tell
-  const float n = std::nearbyint(x * 1.44269504f);
+  // round to nearest even as nearbyint does, in a form that vectorizes: adding 1.5 * 2^23 drops the fraction bits
+  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;
   const float r = x - n * 0.693145752f - n * 1.42860677e-6f;  // ln2 split so n * hi is exact
   float p = 1.f / 5040.f;
   p = p * r + 1.f / 720.f;
@@ -189,6 +194,82 @@ inline float exp_nonpositive(float x) {
   return p;
 }
 
+// Sixteen fp32 lanes as one GCC vector: one AVX-512 register, two AVX2 ones, four SSE/NEON ones (the compiler splits).
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+constexpr int64_t kVec = 16;
+// The vector path of paged_decode is measured on AVX-512 only (where 16 lanes are one register); AVX2 and portable
+// builds keep the scalar loops, as before it.
+#if defined(__AVX512F__)
+constexpr bool kVectorDecode = true;
+#else
+constexpr bool kVectorDecode = false;
+#endif
+
+inline v16 vload16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline v16 vload16(const c10::BFloat16* p) {  // bf16 -> fp32: the bits into the upper half
+  v16h h;
+  std::memcpy(&h, p, sizeof(h));
+  const v16u bits = __builtin_convertvector(h, v16u) << 16;
+  v16 v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+inline v16 vsplat16(float s) { return v16{} + s; }
+
+// a * b + c with one rounding (the scalar path's std::fma)
+inline v16 vfma16(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, c);
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 lo = _mm256_fmadd_ps(__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
+                                    __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
+                                    __builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256 hi = _mm256_fmadd_ps(__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
+                                    __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
+                                    __builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  v16 r;
+  for (int64_t i = 0; i < kVec; ++i) r[i] = std::fma(a[i], b[i], c[i]);
+  return r;
+#endif
+}
+
+// The lane sums of 16 vectors as one vector: sums[t] = the sum of v[t]'s lanes. A tree of two-source shuffles and
+// adds, halving the vectors and doubling the lanes each sum is spread over at each level: 15 adds for 16 sums
+// where one horizontal sum per vector would take ~7 dependent operations each.
+inline v16 lane_sums16(const v16* v) {
+  v16 c[8], d[4], e[2];
+  for (int i = 0; i < 8; ++i)  // c[i]: lanes 0-7 sum to v[2i]'s total, lanes 8-15 to v[2i + 1]'s
+    c[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)  // d[i]: four groups of 4 lanes, for v[4i] .. v[4i + 3]
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)  // e[i]: eight pairs of lanes, for v[8i] .. v[8i + 7]
+    e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// Ask for `rows` cache rows of `bytes` each, `stride` elements apart, into L1: a block's rows for one KV head are
+// one tile of the paged cache, a page of its own, where the hardware prefetchers (which stop at page boundaries)
+// do not follow the block table.
+template <typename C>
+inline void prefetch_rows(const C* row, int64_t rows, int64_t stride, int64_t bytes) {
+  for (int64_t r = 0; r < rows; ++r, row += stride)
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + off, 0, 3);
+}
+
 struct DecodeShape {
   int64_t seqs, heads, kv_heads, block, dk, dv, max_blocks;
   int64_t key_block_stride, key_token_stride, key_head_stride;  // of the [blocks, B, H, D] views
@@ -203,9 +284,15 @@ constexpr int64_t kMinChunkTokens = 64;  // below this a context is not worth sp
 // long contexts split into chunks so that every thread has work. An item leaves, per query head, its
 // chunk's max score, sum of exp(score - max) and exp-weighted value sum; a second pass merges the
 // chunks of each head exactly (the same algebra as the DCP merge).
+// On AVX-512, compile-time head sizes that are whole vectors (64, 128) take the vector path: a key row in registers against
+// each query head, the value sums of up to 16 vectors of heads in registers over the whole chunk, and each next
+// block's rows prefetched (a batch-16 decode step read its KV at a third of the memory bandwidth without).
 template <typename Q, typename C, int64_t FixedDk, int64_t FixedDv>
 void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tables, const int64_t* lens, Q* out,
                   float* lse, const DecodeShape& a) {
+  constexpr bool kVector = kVectorDecode && FixedDk > 0 && FixedDk % kVec == 0 && FixedDv > 0 && FixedDv % kVec == 0;
+  constexpr int64_t kNk = FixedDk / kVec, kNv = FixedDv / kVec;
+  constexpr int64_t kHeadsInRegisters = kVector ? std::max<int64_t>(1, 16 / std::max<int64_t>(1, kNv)) : 1;
   // compile-time head sizes for the common ones let the compiler unroll the per-token loops
   const int64_t dk = FixedDk ? FixedDk : a.dk, dv = FixedDv ? FixedDv : a.dv;
   const int64_t group = a.heads / a.kv_heads, pairs = a.seqs * a.kv_heads;
@@ -219,32 +306,68 @@ void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tab
   std::vector<float> part_acc(part_max.size() * dv, 0.f);
 
   at::parallel_for(0, pairs * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dk), row(std::max(dk, dv)), scores(group * chunk), top(group);
+    // scores: a row per head, padded by a vector (the vector path stores 16 at a time), and zero rows up to a whole
+    // number of the vector path's register groups of heads
+    const int64_t score_rows = (group + kHeadsInRegisters - 1) / kHeadsInRegisters * kHeadsInRegisters;
+    const int64_t score_stride = chunk + kVec;
+    std::vector<float> qf(group * dk), row(std::max(dk, dv)), scores(score_rows * score_stride, 0.f), top(group);
+    std::vector<v16> qv(kVector ? group * kNk : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / (a.kv_heads * chunks), g = item / chunks % a.kv_heads, c = item % chunks;
       const int64_t from = c * chunk, to = std::min(lens[s], from + chunk), n = to - from;
       if (n <= 0) continue;  // past this sequence's end (or none of it on this rank)
       const int64_t first_head = s * a.heads + g * group;
       const int64_t* table = tables + s * a.max_blocks;
+      auto key_rows = [&](int64_t token) { return keys + table[token / a.block] * a.key_block_stride + g * a.key_head_stride; };
+      auto value_rows = [&](int64_t token) {
+        return values + table[token / a.block] * a.value_block_stride + g * a.value_head_stride;
+      };
       for (int64_t i = 0; i < group * dk; ++i) qf[i] = to_float(q[first_head * dk + i]) * a.scale;
       float* __restrict__ widened = row.data();  // restrict: the stores below never alias the loads
       std::fill(top.begin(), top.end(), neg_inf);
+      if constexpr (kVector) {
+        for (int64_t i = 0; i < group * kNk; ++i) qv[i] = vload16(qf.data() + i * kVec);
+      }
       for (int64_t first = from; first < to; first += a.block) {  // one block of keys at a time, in place
-        const C* k = keys + table[first / a.block] * a.key_block_stride + g * a.key_head_stride;
-        for (int64_t j = first; j < std::min(to, first + a.block); ++j, k += a.key_token_stride) {
-          for (int64_t i = 0; i < dk; ++i) widened[i] = to_float(k[i]);
-          for (int64_t h = 0; h < group; ++h) {
-            const float* __restrict__ qh = qf.data() + h * dk;
-            float dotv = 0.f;
+        const C* k = key_rows(first);
+        const int64_t last = std::min(to, first + a.block);
+        if constexpr (kVector) {  // 16 keys at a time against each head: their dot products as one vector
+          if (last < to) prefetch_rows(key_rows(last), a.block, a.key_token_stride, dk * int64_t(sizeof(C)));
+          prefetch_rows(value_rows(first), last - first, a.value_token_stride, dv * int64_t(sizeof(C)));
+          for (int64_t j0 = first; j0 < last; j0 += kVec, k += kVec * a.key_token_stride) {
+            const int64_t count = std::min(kVec, last - j0);
+            for (int64_t h = 0; h < group; ++h) {
+              const v16* qh = qv.data() + h * kNk;
+              v16 dots[kVec];
+              for (int64_t t = 0; t < kVec; ++t) {
+                const C* kt = k + t * a.key_token_stride;
+                v16 even{}, odd{};  // two chains of FMAs
+                if (t < count)
+                  for (int64_t v = 0; v < kNk; ++v)
+                    (v % 2 ? odd : even) = vfma16(qh[v], vload16(kt + v * kVec), v % 2 ? odd : even);
+                dots[t] = even + odd;
+              }
+              const v16 sums = lane_sums16(dots);
+              std::memcpy(scores.data() + h * score_stride + j0 - from, &sums, sizeof(sums));  // rows padded
+              for (int64_t t = 0; t < count; ++t) top[h] = std::max(top[h], sums[t]);
+            }
+          }
+        } else {
+          for (int64_t j = first; j < last; ++j, k += a.key_token_stride) {
+            for (int64_t i = 0; i < dk; ++i) widened[i] = to_float(k[i]);
+            for (int64_t h = 0; h < group; ++h) {
+              const float* __restrict__ qh = qf.data() + h * dk;
+              float dotv = 0.f;
 #pragma omp simd reduction(+ : dotv)
-            for (int64_t i = 0; i < dk; ++i) dotv = std::fma(qh[i], widened[i], dotv);
-            scores[h * chunk + j - from] = dotv;
-            top[h] = std::max(top[h], dotv);
+              for (int64_t i = 0; i < dk; ++i) dotv = std::fma(qh[i], widened[i], dotv);
+              scores[h * score_stride + j - from] = dotv;
+              top[h] = std::max(top[h], dotv);
+            }
           }
         }
       }
       for (int64_t h = 0; h < group; ++h) {
-        float* sh = scores.data() + h * chunk;
+        float* sh = scores.data() + h * score_stride;
         const float m = top[h];
         part_max[(first_head + h) * chunks + c] = m;
         float sum = 0.f;
@@ -255,15 +378,42 @@ void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tab
         }
         part_sum[(first_head + h) * chunks + c] = sum;
       }
-      for (int64_t first = from; first < to; first += a.block) {
-        const C* v = values + table[first / a.block] * a.value_block_stride + g * a.value_head_stride;
-        for (int64_t j = first; j < std::min(to, first + a.block); ++j, v += a.value_token_stride) {
-          for (int64_t i = 0; i < dv; ++i) widened[i] = to_float(v[i]);
-          for (int64_t h = 0; h < group; ++h) {
-            const float p = scores[h * chunk + j - from];
-            float* __restrict__ acc = part_acc.data() + ((first_head + h) * chunks + c) * dv;
+      if constexpr (kVector) {
+        for (int64_t h0 = 0; h0 < group; h0 += kHeadsInRegisters) {
+          const int64_t heads = std::min(kHeadsInRegisters, group - h0);
+          v16 acc[kHeadsInRegisters][kNv] = {};
+          for (int64_t first = from; first < to; first += a.block) {
+            const C* v = value_rows(first);
+            const int64_t last = std::min(to, first + a.block);
+            if (last < to) prefetch_rows(value_rows(last), a.block, a.value_token_stride, dv * int64_t(sizeof(C)));
+            for (int64_t j = first; j < last; ++j, v += a.value_token_stride) {
+              v16 vr[kNv];
+              for (int64_t i = 0; i < kNv; ++i) vr[i] = vload16(v + i * kVec);
+#pragma GCC unroll 16
+              for (int64_t h = 0; h < kHeadsInRegisters; ++h) {  // all of them: the rows past `group` are zeros
+                const v16 p = vsplat16(scores[(h0 + h) * score_stride + j - from]);
+#pragma GCC unroll 16
+                for (int64_t i = 0; i < kNv; ++i) acc[h][i] = vfma16(p, vr[i], acc[h][i]);
+              }
+            }
+          }
+#pragma GCC unroll 16
+          for (int64_t h = 0; h < kHeadsInRegisters; ++h)
+#pragma GCC unroll 16
+            for (int64_t i = 0; i < kNv; ++i)
+              if (h < heads) std::memcpy(part_acc.data() + ((first_head + h0 + h) * chunks + c) * dv + i * kVec, &acc[h][i], sizeof(v16));
+        }
+      } else {
+        for (int64_t first = from; first < to; first += a.block) {
+          const C* v = value_rows(first);
+          for (int64_t j = first; j < std::min(to, first + a.block); ++j, v += a.value_token_stride) {
+            for (int64_t i = 0; i < dv; ++i) widened[i] = to_float(v[i]);
+            for (int64_t h = 0; h < group; ++h) {
+              const float p = scores[h * score_stride + j - from];
+              float* __restrict__ acc = part_acc.data() + ((first_head + h) * chunks + c) * dv;
 #pragma omp simd
-            for (int64_t i = 0; i < dv; ++i) acc[i] = std::fma(p, widened[i], acc[i]);
+              for (int64_t i = 0; i < dv; ++i) acc[i] = std::fma(p, widened[i], acc[i]);
+            }
           }
         }
       }
