@@ -22,7 +22,7 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -224,18 +224,10 @@ inline v16 vload16(const c10::BFloat16* p) {  // bf16 -> fp32: the bits into the
 
 inline v16 vsplat16(float s) { return v16{} + s; }
 
-// a * b + c with one rounding (the scalar path's std::fma)
+// a * b + c with one rounding (the scalar path's std::fma); only AVX-512 builds take the vector path
 inline v16 vfma16(v16 a, v16 b, v16 c) {
 #if defined(__AVX512F__)
   return _mm512_fmadd_ps(a, b, c);
-#elif defined(__AVX2__) && defined(__FMA__)
-  const __m256 lo = _mm256_fmadd_ps(__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
-                                    __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
-                                    __builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
-  const __m256 hi = _mm256_fmadd_ps(__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
-                                    __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
-                                    __builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
-  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 #else
   v16 r;
   for (int64_t i = 0; i < kVec; ++i) r[i] = std::fma(a[i], b[i], c[i]);
