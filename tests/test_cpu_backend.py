@@ -100,7 +100,10 @@ def four_threads():
 
 
 @NEEDS_KERNELS
-@pytest.mark.parametrize(("heads", "kv_heads", "dk", "dv"), [(8, 1, 64, 64), (4, 1, 40, 32)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dk", "dv"),
+    [(8, 1, 64, 64), (6, 2, 128, 128), (4, 1, 40, 32)],  # AVX-512 vector path: 64 and 128 dims; 40: scalar
+)
 def test_paged_decode_splits_long_contexts_exactly(four_threads, heads, kv_heads, dk, dv):
     """3 (sequence, KV head) pairs for 4 threads: the 300-token context runs as 3 chunks, merged by LSE."""
     g = torch.Generator().manual_seed(7)
