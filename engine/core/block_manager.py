@@ -5,6 +5,11 @@ rank stores its `block_size`-token share in its own pool under the same id, so o
 all ranks. Full blocks are keyed by a hash chain of their tokens; a new sequence whose prompt
 starts with cached blocks reuses them and skips their prefill. Free blocks keep their contents
 until reallocated (least recently freed first), so a finished prompt's prefix stays reusable.
+Without prefix caching no content is reused, and blocks go most recently freed first: a CPU cache's
+memory is mapped on first touch (`kv_cache.zeros`), and a block whose pages an earlier request
+faulted in is written at memory speed, where a never-used one costs page faults (~12x the write of a
+2048-token prefill's KV, benchmarks/RESULTS.md) and a benchmark's repeated batches would fault in the whole
+cache one run after another.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block id
-        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # allocation takes the front (LRU) or, without prefix caching, the back (LIFO): block 0 first either way
+        order = range(num_blocks) if prefix_caching else reversed(range(num_blocks))
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in order)
         self.seq_hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its full blocks
         self.peak_used = 0
         self.prefix_hit_tokens = 0
@@ -85,7 +92,7 @@ class BlockManager:
         if missing > len(self.free):
             return False
         for _ in range(missing):
-            block, _ = self.free.popitem(last=False)
+            block, _ = self.free.popitem(last=not self.prefix_caching)  # LRU for prefix reuse, else LIFO
             old = self.block_hash[block]
             if old is not None:
                 self.block_hash[block] = None
