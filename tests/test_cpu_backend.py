@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from engine.attention import kv_cache
 from engine.attention.cpu_backend import CpuBackend
 from engine.attention.registry import create_backend
 from engine.attention.torch_backend import softmax_attention
@@ -122,6 +123,50 @@ def test_paged_decode_splits_long_contexts_exactly(four_threads, heads, kv_heads
         want_o, want_l = softmax_attention(q[s][None, None], keys[None], vals[None], 0.2, None)
         torch.testing.assert_close(out[s], want_o[0, 0], atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(lse[s], want_l[0, 0], atol=2e-5, rtol=1e-5)
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "block", "dtype"),
+    [
+        (9, 3, 64, 64, torch.float32),  # SmolLM2: a group of 3, the engine's block size
+        (9, 3, 64, 16, torch.bfloat16),
+        (6, 2, 128, 8, torch.float32),  # 128 dims; blocks of one AVX2 group of keys
+        (10, 2, 128, 12, torch.bfloat16),  # a group of 5 (AVX2: 4 heads per pass, then 1); blocks end mid-group
+        (8, 4, 64, 5, torch.float32),  # a group of 2; blocks of 5
+        (4, 4, 64, 16, torch.bfloat16),  # no GQA
+        (8, 1, 64, 64, torch.bfloat16),  # a group of 8 (AVX2: 4 + 4)
+    ],
+)
+def test_paged_decode_ragged_lengths_per_block_size_and_group(threads, heads, kv_heads, dim, block, dtype):
+    """Lengths off multiples of 8 and 16 and of the block, read through the engine's own layer views (head-major
+    tiles, block-major across layers), against fp32 attention over the same cache values: the vector paths
+    (AVX-512, or AVX2 here and in the forced-AVX2 run of tests/test_cpu_isa.py) take 64 and 128 dims."""
+    lengths = [1, 7, 8, 9, 17, 63, 64, 65, 130, 200]
+    per_seq = -(-max(lengths) // block)
+    blocks = len(lengths) * per_seq + 1
+    _, views = kv_cache.allocate(2, blocks, block, kv_heads, dim, False, dtype, torch.device("cpu"), True)
+    keys, values = views[1]
+    g = torch.Generator().manual_seed(block * heads)
+    for cache in (keys, values):
+        cache.copy_(torch.randn(cache.shape, generator=g))
+    tables = torch.randperm(blocks, generator=g)[: len(lengths) * per_seq].view(len(lengths), per_seq)
+    q = torch.randn(len(lengths), heads, dim, generator=g).to(dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = cpu_kernels.paged_decode(q, keys, values, tables, torch.tensor(lengths), dim**-0.5, dim)
+    finally:
+        torch.set_num_threads(before)
+    # bf16: the output is rounded to bf16
+    tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    for s, n in enumerate(lengths):
+        k = keys[tables[s]].flatten(0, 1)[:n].float()
+        v = values[tables[s]].flatten(0, 1)[:n].float()
+        want_o, want_l = softmax_attention(q[s].float()[None, None], k[None], v[None], dim**-0.5, None)
+        torch.testing.assert_close(out[s].float(), want_o[0, 0], **tol)
+        torch.testing.assert_close(lse[s], want_l[0, 0], atol=5e-5, rtol=1e-5)
 
 
 @NEEDS_KERNELS

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -206,6 +207,12 @@ constexpr bool kVectorDecode = true;
 #else
 constexpr bool kVectorDecode = false;
 #endif
+// AVX2 (x86-64-v3) builds have a path of their own, shaped for 16 registers of 8 lanes (see decode_heads).
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+constexpr bool kVectorDecode8 = true;
+#else
+constexpr bool kVectorDecode8 = false;
+#endif
 
 inline v16 vload16(const float* p) {
   v16 v;
@@ -253,6 +260,113 @@ inline v16 lane_sums16(const v16* v) {
          __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+// Eight fp32 lanes: one AVX2 register. Only AVX2 builds use these (kVectorDecode8).
+typedef float v8 __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+constexpr int64_t kVec8 = 8;
+
+inline v8 vload8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline v8 vload8(const c10::BFloat16* p) {  // bf16 -> fp32: the bits into the upper half
+#if defined(__AVX2__)  // one vpmovzxwd of all 8 lanes (GCC's convertvector widened each 128-bit half apart)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return v8(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+#else
+  v8h h;
+  std::memcpy(&h, p, sizeof(h));
+  const v8u bits = __builtin_convertvector(h, v8u) << 16;
+  v8 v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+#endif
+}
+
+inline v8 vfma8(v8 a, v8 b, v8 c) {  // a * b + c with one rounding
+#if defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  v8 r;
+  for (int64_t i = 0; i < kVec8; ++i) r[i] = std::fma(a[i], b[i], c[i]);
+  return r;
+#endif
+}
+
+// lane_sums16's tree for 8 vectors of 8 lanes: sums[t] = the sum of v[t]'s lanes, in 7 adds. The first level pairs
+// v[i] with v[i + 4] (128-bit halves, the only lane-crossing shuffles), the next two stay within 128-bit lanes
+// (vshufps), which leaves the sums in order.
+inline v8 lane_sums8(const v8* v) {
+  v8 c[4], d[2];
+  for (int i = 0; i < 4; ++i)  // c[i]: lanes 0-3 sum to v[i]'s total, lanes 4-7 to v[i + 4]'s
+    c[i] = __builtin_shufflevector(v[i], v[i + 4], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(v[i], v[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)  // d[i]: pairs of lanes for v[2i], v[2i + 1], v[2i + 4], v[2i + 5]
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(d[0], d[1], 0, 2, 8, 10, 4, 6, 12, 14) +
+         __builtin_shufflevector(d[0], d[1], 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+// The AVX2 path's value sums of one block of tokens for `Heads` query heads at once, over all dims in slices of
+// `Slice` registers per head (Heads x Slice <= 8 accumulators: the rest of the 16 registers hold the value slice and
+// the heads' weights). acc[h] is the head's running sum (dv floats) and p[h] its scores row, from the block's first
+// token; the block's value rows stay in L1 over the slices.
+template <int64_t Heads, int64_t Slice, int64_t Nv, typename C>
+inline void accumulate_values(const C* v, int64_t rows, int64_t stride, const float* const* p, float* const* acc) {
+  static_assert(Nv % Slice == 0, "a head's vectors split into whole slices");
+  for (int64_t s = 0; s < Nv; s += Slice) {
+    v8 sums[Heads][Slice];
+#pragma GCC unroll 8
+    for (int64_t h = 0; h < Heads; ++h)
+#pragma GCC unroll 8
+      for (int64_t i = 0; i < Slice; ++i) sums[h][i] = vload8(acc[h] + (s + i) * kVec8);
+    const C* row = v + s * kVec8;
+    for (int64_t j = 0; j < rows; ++j, row += stride) {
+      v8 vr[Slice];
+#pragma GCC unroll 8
+      for (int64_t i = 0; i < Slice; ++i) vr[i] = vload8(row + i * kVec8);
+#pragma GCC unroll 8
+      for (int64_t h = 0; h < Heads; ++h) {
+        const float weight = p[h][j];
+        const v8 w = {weight, weight, weight, weight, weight, weight, weight, weight};
+#pragma GCC unroll 8
+        for (int64_t i = 0; i < Slice; ++i) sums[h][i] = vfma8(w, vr[i], sums[h][i]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int64_t h = 0; h < Heads; ++h)
+#pragma GCC unroll 8
+      for (int64_t i = 0; i < Slice; ++i) std::memcpy(acc[h] + (s + i) * kVec8, &sums[h][i], sizeof(v8));
+  }
+}
+
+// exp_nonpositive on 8 lanes, the same operations in the same order (so the same bits): GCC leaves the scalar
+// loop of it unvectorized in the AVX2 build (std::max became a branch), a third of the kernel's time.
+inline v8 exp_nonpositive8(v8 x) {
+  typedef int32_t v8i __attribute__((vector_size(32)));
+  const v8 floor = {-87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f};
+  x = x < floor ? floor : x;
+  const v8 n = (x * 1.44269504f + 12582912.f) - 12582912.f;
+  const v8 r = x - n * 0.693145752f - n * 1.42860677e-6f;
+  v8 p = v8{} + 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  v8i bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits += __builtin_convertvector(n, v8i) << 23;
+  std::memcpy(&p, &bits, sizeof(p));
+  return p;
+}
+
 // Ask for `rows` cache rows of `bytes` each, `stride` elements apart, into L1: a block's rows for one KV head are
 // one tile of the paged cache, a page of its own, where the hardware prefetchers (which stop at page boundaries)
 // do not follow the block table.
@@ -279,11 +393,16 @@ constexpr int64_t kMinChunkTokens = 64;  // below this a context is not worth sp
 // On AVX-512, compile-time head sizes that are whole vectors (64, 128) take the vector path: a key row in registers against
 // each query head, the value sums of up to 16 vectors of heads in registers over the whole chunk, and each next
 // block's rows prefetched (a batch-16 decode step read its KV at a third of the memory bandwidth without).
+// On AVX2 (16 registers of 8 lanes) the same sizes take a path of their own: 8 keys at a time against each query head
+// (the query from L1, the 8 dot products in registers, lane_sums8), then block by block the value sums of up to 4
+// heads over slices of their dims (accumulate_values: at most 8 accumulators in registers), the next block prefetched.
 template <typename Q, typename C, int64_t FixedDk, int64_t FixedDv>
 void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tables, const int64_t* lens, Q* out,
                   float* lse, const DecodeShape& a) {
   constexpr bool kVector = kVectorDecode && FixedDk > 0 && FixedDk % kVec == 0 && FixedDv > 0 && FixedDv % kVec == 0;
   constexpr int64_t kNk = FixedDk / kVec, kNv = FixedDv / kVec;
+  constexpr bool kVector8 = kVectorDecode8 && FixedDk > 0 && FixedDk % 64 == 0 && FixedDv > 0 && FixedDv % 64 == 0;
+  constexpr int64_t kNk8 = FixedDk / kVec8, kNv8 = FixedDv / kVec8;
   constexpr int64_t kHeadsInRegisters = kVector ? std::max<int64_t>(1, 16 / std::max<int64_t>(1, kNv)) : 1;
   // compile-time head sizes for the common ones let the compiler unroll the per-token loops
   const int64_t dk = FixedDk ? FixedDk : a.dk, dv = FixedDv ? FixedDv : a.dv;
@@ -302,7 +421,9 @@ void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tab
     // number of the vector path's register groups of heads
     const int64_t score_rows = (group + kHeadsInRegisters - 1) / kHeadsInRegisters * kHeadsInRegisters;
     const int64_t score_stride = chunk + kVec;
-    std::vector<float> qf(group * dk), row(std::max(dk, dv)), scores(score_rows * score_stride, 0.f), top(group);
+    // row: one widened key or value row, or (AVX2 path, bf16) a group of 8 widened keys
+    std::vector<float> qf(group * dk), row(std::max(dk, dv) * (kVector8 ? kVec8 : 1));
+    std::vector<float> scores(score_rows * score_stride, 0.f), top(group);
     std::vector<v16> qv(kVector ? group * kNk : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / (a.kv_heads * chunks), g = item / chunks % a.kv_heads, c = item % chunks;
@@ -314,6 +435,14 @@ void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tab
       auto value_rows = [&](int64_t token) {
         return values + table[token / a.block] * a.value_block_stride + g * a.value_head_stride;
       };
+      const C* next_item_keys = nullptr;  // the AVX2 path's prefetch target after this item's last key block
+      if constexpr (kVector8) {
+        const int64_t after = item + 1, s2 = after / (a.kv_heads * chunks), g2 = after / chunks % a.kv_heads;
+        const int64_t from2 = after % chunks * chunk;
+        if (after < end && from2 < lens[s2])
+          next_item_keys =
+              keys + tables[s2 * a.max_blocks + from2 / a.block] * a.key_block_stride + g2 * a.key_head_stride;
+      }
       for (int64_t i = 0; i < group * dk; ++i) qf[i] = to_float(q[first_head * dk + i]) * a.scale;
       float* __restrict__ widened = row.data();  // restrict: the stores below never alias the loads
       std::fill(top.begin(), top.end(), neg_inf);
@@ -344,6 +473,45 @@ void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tab
               for (int64_t t = 0; t < count; ++t) top[h] = std::max(top[h], sums[t]);
             }
           }
+        } else if constexpr (kVector8) {  // 8 keys at a time against each head: their dot products as one vector
+          // with each group of 8 keys, 8 rows of the next block's keys (after the chunk's last block: the next
+          // item's first) and this block's values asked for: spread over the block, not all at its start
+          const C* next_keys = last < to ? key_rows(last) : next_item_keys;
+          const C* block_values = value_rows(first);
+          for (int64_t j0 = first; j0 < last; j0 += kVec8, k += kVec8 * a.key_token_stride) {
+            const int64_t count = std::min(kVec8, last - j0), o = j0 - first;
+            if (next_keys)
+              prefetch_rows(next_keys + o * a.key_token_stride, std::min(kVec8, a.block - o), a.key_token_stride,
+                            dk * int64_t(sizeof(C)));
+            prefetch_rows(block_values + o * a.value_token_stride, count, a.value_token_stride,
+                          dv * int64_t(sizeof(C)));
+            // bf16 keys: the 8 rows widened once into L1 for all the heads, not once per head
+            constexpr bool kWiden = !std::is_same_v<C, float>;
+            if constexpr (kWiden)
+              for (int64_t t = 0; t < count; ++t)
+                for (int64_t v = 0; v < kNk8; ++v) {
+                  const v8 x = vload8(k + t * a.key_token_stride + v * kVec8);
+                  std::memcpy(widened + (t * kNk8 + v) * kVec8, &x, sizeof(x));
+                }
+            for (int64_t h = 0; h < group; ++h) {
+              const float* qh = qf.data() + h * dk;  // from L1: registers go to the 8 dot products
+              v8 dots[kVec8];
+              for (int64_t t = 0; t < kVec8; ++t) {
+                const auto* kt = [&] {
+                  if constexpr (kWiden) return static_cast<const float*>(widened + t * dk);
+                  else return k + t * a.key_token_stride;
+                }();
+                v8 even{}, odd{};  // two chains of FMAs
+                if (t < count)
+                  for (int64_t v = 0; v < kNk8; ++v)
+                    (v % 2 ? odd : even) = vfma8(vload8(qh + v * kVec8), vload8(kt + v * kVec8), v % 2 ? odd : even);
+                dots[t] = even + odd;
+              }
+              const v8 sums = lane_sums8(dots);
+              std::memcpy(scores.data() + h * score_stride + j0 - from, &sums, sizeof(sums));  // rows padded
+              for (int64_t t = 0; t < count; ++t) top[h] = std::max(top[h], sums[t]);
+            }
+          }
         } else {
           for (int64_t j = first; j < last; ++j, k += a.key_token_stride) {
             for (int64_t i = 0; i < dk; ++i) widened[i] = to_float(k[i]);
@@ -363,10 +531,25 @@ void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tab
         const float m = top[h];
         part_max[(first_head + h) * chunks + c] = m;
         float sum = 0.f;
+        if constexpr (kVector8) {  // whole vectors, then the rest one by one
+          v8 sums{};
+          int64_t j = 0;
+          for (; j + kVec8 <= n; j += kVec8) {
+            const v8 e = exp_nonpositive8(vload8(sh + j) - m);
+            std::memcpy(sh + j, &e, sizeof(e));
+            sums += e;
+          }
+          for (; j < n; ++j) {
+            sh[j] = exp_nonpositive(sh[j] - m);
+            sum += sh[j];
+          }
+          for (int64_t i = 0; i < kVec8; ++i) sum += sums[i];
+        } else {
 #pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; ++j) {
-          sh[j] = exp_nonpositive(sh[j] - m);
-          sum += sh[j];
+          for (int64_t j = 0; j < n; ++j) {
+            sh[j] = exp_nonpositive(sh[j] - m);
+            sum += sh[j];
+          }
         }
         part_sum[(first_head + h) * chunks + c] = sum;
       }
@@ -394,6 +577,28 @@ void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tab
 #pragma GCC unroll 16
             for (int64_t i = 0; i < kNv; ++i)
               if (h < heads) std::memcpy(part_acc.data() + ((first_head + h0 + h) * chunks + c) * dv + i * kVec, &acc[h][i], sizeof(v16));
+        }
+      } else if constexpr (kVector8) {
+        for (int64_t first = from; first < to; first += a.block) {
+          const int64_t last = std::min(to, first + a.block);
+          if (last < to) prefetch_rows(value_rows(last), a.block, a.value_token_stride, dv * int64_t(sizeof(C)));
+          for (int64_t h0 = 0; h0 < group; h0 += 4) {  // up to 4 heads per pass over the block's rows
+            const float* p[4];
+            float* acc[4];
+            const int64_t heads = std::min<int64_t>(4, group - h0);
+            for (int64_t h = 0; h < heads; ++h) {
+              p[h] = scores.data() + (h0 + h) * score_stride + first - from;
+              acc[h] = part_acc.data() + ((first_head + h0 + h) * chunks + c) * dv;
+            }
+            const C* v = value_rows(first);
+            const int64_t rows = last - first, stride = a.value_token_stride;
+            switch (heads) {
+              case 1: accumulate_values<1, 8, kNv8>(v, rows, stride, p, acc); break;
+              case 2: accumulate_values<2, 4, kNv8>(v, rows, stride, p, acc); break;
+              case 3: accumulate_values<3, 2, kNv8>(v, rows, stride, p, acc); break;
+              default: accumulate_values<4, 2, kNv8>(v, rows, stride, p, acc); break;
+            }
+          }
         }
       } else {
         for (int64_t first = from; first < to; first += a.block) {
