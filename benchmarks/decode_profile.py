@@ -55,7 +55,7 @@ def main() -> None:
     if "RANK" in os.environ:
         profile_rank(args)
         return
-    from engine.llm import resolve_plan
+    from engine.plan.checks import resolve_plan
 
     world = resolve_plan(args.plan, args.overrides).world_size or 1
     for old in args.output.glob("rank*.json"):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.llm import resolve_plan
+from engine.plan.checks import resolve_plan
 from evals.bench.client import RequestRecord, completion_body
 from evals.bench.metrics import Stat
 from evals.bench.workload import load_tokenizer, random_prompts, sampleable_ids

@@ -16,7 +16,7 @@ from pathlib import Path
 from engine.core.sequence import SamplingParams, Sequence, TokenLogprob
 from engine.core.startup import start_engine
 from engine.errors import UserError
-from engine.plan.checks import validate_plan_file
+from engine.plan.checks import resolve_plan
 from engine.plan.resolved import ResolvedPlan
 
 
@@ -77,13 +77,6 @@ class RequestOutput:
             latency_s=latency,
             error=seq.error,
         )
-
-
-def resolve_plan(plan: str | Path | ResolvedPlan, overrides: list[str] | None = None) -> ResolvedPlan:
-    """A plan file (with overrides) checked and resolved; a UserError lists every problem of an invalid plan."""
-    if isinstance(plan, ResolvedPlan):
-        return plan
-    return validate_plan_file(plan, overrides).require_valid()
 
 
 class LLM:

@@ -24,7 +24,7 @@ ROLES = ("all", "prefill", "decode", "router")  # the pieces of a P/D plan `--ro
 
 def runnable_plan(plan: str, overrides: list[str]) -> ResolvedPlan:
     """The plan file checked and resolved, with its model folder present; UserError otherwise."""
-    from engine.llm import resolve_plan
+    from engine.plan.checks import resolve_plan
 
     resolved = resolve_plan(plan, overrides)
     if resolved.missing_model:

@@ -71,7 +71,7 @@ def _run_job(argv: list[str] | None) -> int:
         return int(exc.code or 0)
     try:
         _import_engine(args.serve)
-        from engine.llm import resolve_plan
+        from engine.plan.checks import resolve_plan
 
         resolved = resolve_plan(args.plan, args.overrides)
         if args.serve:

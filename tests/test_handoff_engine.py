@@ -11,7 +11,7 @@ from engine.core.sequence import SamplingParams
 from engine.core.startup import start_engine
 from engine.errors import UserError
 from engine.kv_transfer.handles import KVRole, RemotePrefill
-from engine.llm import resolve_plan
+from engine.plan.checks import resolve_plan
 from tests.oracle import LOGPROB_TOL, hf_greedy, prompt_ids, write_plan
 
 NEW_TOKENS = 12

@@ -10,7 +10,7 @@ import pytest
 
 from engine.core.startup import start_engine
 from engine.kv_transfer.handles import KVRole
-from engine.llm import resolve_plan
+from engine.plan.checks import resolve_plan
 from engine.serving.hosting import bind_socket, start_server
 from engine.serving.router import Router, start_router
 from tests.oracle import LOGPROB_TOL, hf_greedy, prompt_ids, write_plan

@@ -52,6 +52,22 @@ def test_invalid_plan_and_busy_port_fail_as_dcpctl_run(tmp_path, tiny_llama):
         assert _run([*DCPCTL_RUN, plan, taken]) == (code, err)
 
 
+def test_the_launching_process_resolves_a_plan_without_torch(tmp_path, tiny_llama):
+    """`dcpctl run` checks the plan and starts torchrun without importing torch: its ranks pay for that, and an
+    import of seconds on the launch's critical path would only delay them."""
+    plan = write_plan(tmp_path, tiny_llama, {"parallel.dcp": 2})
+    code = (
+        "import sys\n"
+        "from engine.serve_entry import launch_ranks, runnable_plan\n"
+        f"resolved = runnable_plan({str(plan)!r}, [])\n"
+        "assert resolved.world_size == 2\n"
+        "from engine.runtime import launcher\n"
+        "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_usage_errors_exit_2():
     assert _run(ENTRY)[0] == 2
     assert _run(DCPCTL_RUN)[0] == 2

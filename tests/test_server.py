@@ -20,7 +20,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.core.engine import LLMEngine
 from engine.core.startup import start_rank
-from engine.llm import resolve_plan
+from engine.plan.checks import resolve_plan
 from engine.serving.hosting import ServerHandle, start_server
 from tests.oracle import hf_greedy, hf_prompt_logprobs, prompt_ids, write_plan
 

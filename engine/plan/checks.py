@@ -399,3 +399,10 @@ def validate_plan_file(path: str | Path, overrides: list[str] | None = None, str
     except PlanLoadError as exc:
         return PlanCheck(source=str(path), name=Path(path).stem, problems=PlanProblems(errors=list(exc.problems)))
     return check_plan(loaded, strict=strict)
+
+
+def resolve_plan(plan: str | Path | ResolvedPlan, overrides: list[str] | None = None) -> ResolvedPlan:
+    """A plan file (with overrides) checked and resolved; a UserError lists every problem of an invalid plan."""
+    if isinstance(plan, ResolvedPlan):
+        return plan
+    return validate_plan_file(plan, overrides).require_valid()
