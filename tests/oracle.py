@@ -20,10 +20,18 @@ def _hf_model(folder: str):
     return model.eval()
 
 
-@torch.inference_mode()
 def hf_greedy(folder: str | Path, prompt_ids: list[int], new_tokens: int) -> tuple[list[int], list[float]]:
     """HF's greedy continuation (EOS does not stop it) and the logprob of each chosen token."""
-    model = _hf_model(str(folder))
+    tokens, logprobs = _hf_greedy(str(folder), tuple(prompt_ids), new_tokens)
+    return list(tokens), list(logprobs)
+
+
+@functools.lru_cache(maxsize=256)
+@torch.inference_mode()
+def _hf_greedy(folder: str, prompt_ids: tuple[int, ...], new_tokens: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Memoized: many tests check other layouts against the same prompts of the same checkpoint (a checkpoint folder
+    is never rewritten within a session), and HF's own decode is most of such a test's time on SmolLM2."""
+    model = _hf_model(folder)
     out = model(torch.tensor([prompt_ids]), use_cache=True)
     tokens, logprobs = [], []
     for _ in range(new_tokens):
@@ -32,7 +40,7 @@ def hf_greedy(folder: str | Path, prompt_ids: list[int], new_tokens: int) -> tup
         tokens.append(token)
         logprobs.append(float(logp[token]))
         out = model(torch.tensor([[token]]), cache=out.past_key_values, use_cache=True)
-    return tokens, logprobs
+    return tuple(tokens), tuple(logprobs)
 
 
 @functools.lru_cache(maxsize=2)
