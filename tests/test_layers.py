@@ -1,4 +1,5 @@
-"""Layer pieces against HF's (or torch's) own functions: rotary embeddings, packed matmuls, the KV cache."""
+"""Layer pieces against HF's (or torch's) own functions: rotary embeddings, packed matmuls, the KV cache, the
+engine's SiLU-and-mul and argmax kernels."""
 
 from __future__ import annotations
 
@@ -10,11 +11,17 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 from engine.attention import kv_cache
 from engine.checkpoints.tiny import make_tiny_checkpoint
+from engine.core.sampler import greedy
+from engine.kernels import cpu_kernels
 from engine.kernels.cpu_gemm import PackableLinear, pack_weight, packed_linear, packing_available
 from engine.kernels.cpu_isa import detect
+from engine.layers.activation import silu_and_mul
 from engine.layers.rotary import RotaryEmbedding
 
 HEAD_DIM = 64
+NEEDS_KERNELS = pytest.mark.skipif(not cpu_kernels.cpu_kernels_available(), reason="the CPU kernels did not build here")
+# the ATen kernels torch runs at each level, whose vector exp the SiLU kernel shares (cpu_isa caps torch alike)
+ATEN_CAPABILITY = {"avx512": "AVX512", "avx2": "AVX2", "baseline": "DEFAULT"}
 
 
 def _config() -> LlamaConfig:
@@ -109,3 +116,40 @@ def test_rope_tables_build_under_another_default_device(arch, tmp_path):
     with torch.device("meta"):
         rope = RotaryEmbedding(cfg, dim, 64, interleaved=arch != "llama", device=torch.device("cpu"))
     assert torch.equal(rope.cos, expected.cos) and torch.equal(rope.sin, expected.sin)
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "width"), [(16, 1536), (3, 37), (5, 100), (1, 7)])  # widths off the vector runs
+def test_silu_and_mul_kernel_gives_torchs_bits(dtype, rows, width):
+    g = torch.Generator().manual_seed(width)
+    x = (torch.randn(rows, 3 * width, generator=g) * 6).to(dtype)[:, : 2 * width]  # rows strided, as a view can be
+    x[0, :3] = torch.tensor([float("inf"), -float("inf"), 0.0]).to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    out = cpu_kernels.silu_and_mul(x)
+    want = torch.nn.functional.silu(gate) * up
+    assert out.dtype == dtype and out.shape == (rows, width)
+    torch.testing.assert_close(silu_and_mul(x), out, rtol=0, atol=0, equal_nan=True)
+    if torch.backends.cpu.get_cpu_capability() == ATEN_CAPABILITY[detect().level]:
+        # the same bits: the same exp (ATen's vector one, Sleef's on x86) in the same runs (NaN where -inf * 0)
+        torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+    else:  # torch dispatches to another ISA's kernels than this build's (another exp): within rounding
+        torch.testing.assert_close(out, want, rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=0, equal_nan=True)
+
+
+@NEEDS_KERNELS
+def test_argmax_kernel_picks_what_torch_picks():
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(9, 49_157, generator=g)  # a width off every vector size
+    logits[1, [10, 400, 49_000]] = 50.0  # ties: the first
+    logits[2, [3, 77]] = float("nan")  # NaN counts as the largest: the first NaN
+    logits[3] = float("-inf")  # nothing finite: index 0
+    logits[4, [5, 6]] = torch.tensor([0.0, -0.0]) + 1e9  # equal maxima of either sign
+    logits[5, -1] = float("inf")
+    logits[6, 0] = float("nan")
+    want = logits.argmax(dim=-1)
+    assert torch.equal(cpu_kernels.argmax_rows(logits), want)
+    assert torch.equal(greedy(logits), want)
+    assert torch.equal(greedy(logits[:, :1000]), logits[:, :1000].argmax(dim=-1))  # strided rows
+    assert torch.equal(greedy(logits.T.contiguous().T), want)  # a last dim that is not contiguous: torch's argmax
+    assert greedy(torch.empty(0, 10)).shape == (0,)

@@ -130,5 +130,15 @@ def paged_decode(
     return torch.ops.dcpctl.paged_decode(q, key_cache, value_cache, block_tables, lens, scale, value_dim)
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up] [rows, 2n] fp32/bf16 on CPU, with the bits of `F.silu(gate) * up`."""
+    return torch.ops.dcpctl.silu_and_mul(x)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` of fp32 x [rows, n] on CPU (first of equal maxima, first NaN)."""
+    return torch.ops.dcpctl.argmax_rows(x)
+
+
 if __name__ == "__main__":  # scripts/setup.sh: build now rather than in the first run
     print(f"dcpctl CPU kernels ({detect().describe()}):", loaded_build() or "unavailable (torch's kernels are used)")

@@ -182,18 +182,29 @@ class ModelRunner:
         """Token ids, positions and attention metadata of a (non-empty) step, built once for all layers."""
         chunks = step.chunks
         device = self.device
-        counts = torch.tensor([len(ch.token_ids) for ch in chunks], device=device)
-        starts = torch.tensor([ch.start for ch in chunks], device=device)
-        cu = torch.zeros(len(chunks) + 1, dtype=torch.int64, device=device)
-        torch.cumsum(counts, 0, out=cu[1:])
+        c = self.cache_layout
         width = max(len(ch.block_table) for ch in chunks)
         tables = torch.tensor(
             [ch.block_table + [0] * (width - len(ch.block_table)) for ch in chunks], dtype=torch.int64, device=device
         )
+        if step.num_prefills == 0:  # one token per chunk: positions and slots from Python ints, no tensor math
+            rank, d = self.par.dcp_rank, self.par.dcp_size
+            starts = [ch.start for ch in chunks]
+            slots = [
+                dcp.slot(p, rank, ch.block_table, c.block_size, c.interleave, d)
+                for p, ch in zip(starts, chunks, strict=True)
+            ]
+            input_ids = torch.tensor([ch.token_ids[0] for ch in chunks], device=device)
+            positions = torch.tensor(starts, device=device)
+            cu = torch.arange(len(chunks) + 1, device=device)
+            return input_ids, positions, self._metadata(step, cu, tables, torch.tensor(slots, device=device))
+        counts = torch.tensor([len(ch.token_ids) for ch in chunks], device=device)
+        starts = torch.tensor([ch.start for ch in chunks], device=device)
+        cu = torch.zeros(len(chunks) + 1, dtype=torch.int64, device=device)
+        torch.cumsum(counts, 0, out=cu[1:])
         input_ids = torch.tensor(list(itertools.chain.from_iterable(ch.token_ids for ch in chunks)), device=device)
         seq_index = torch.repeat_interleave(torch.arange(len(chunks), device=device), counts)
         positions = starts[seq_index] + torch.arange(input_ids.numel(), device=device) - cu[seq_index]
-        c = self.cache_layout
         slots = dcp.slot(
             positions, self.par.dcp_rank, tables, c.block_size, c.interleave, self.par.dcp_size, rows=seq_index
         )
@@ -226,5 +237,7 @@ class ModelRunner:
             offset += n
         if not rows:
             return None
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if len(rows) < hidden.shape[0]:  # else every row, in order (a decode-only step)
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)
         return None if logits is None else StepLogits(logits=logits, chunk_rows=chunk_rows)

@@ -8,8 +8,19 @@
 //   store_kv      new keys/values into the paged cache through the slot mapping.
 //   paged_decode  one query per sequence against its paged keys/values: exact softmax in fp32,
 //                 returning the log-sum-exp per head (the DCP merge needs it).
+//   silu_and_mul  silu(gate) * up of [gate | up] rows in one pass, with torch's `F.silu(gate) * up` bits.
+//   argmax_rows   torch.argmax over the last dim of fp32 rows (greedy sampling's logits), vectorized.
+
+// silu_and_mul computes SiLU with ATen's vector exp (Sleef's, exported by libtorch): ATen's vector headers must see
+// the capability of the ATen kernels that torch runs on a CPU of this build's level (cpu_isa.py caps both alike).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#endif
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
@@ -23,7 +34,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -54,6 +65,15 @@ inline T from_float(float v) {
   return static_cast<T>(v);
 }
 
+// c10's float -> bf16 rounding (to nearest even; NaN -> 0x7FC0) without its branch, so that loops vectorize
+template <>
+inline c10::BFloat16 from_float<c10::BFloat16>(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const uint16_t rounded = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  return c10::BFloat16(v != v ? uint16_t(0x7FC0) : rounded, c10::BFloat16::from_bits());
+}
+
 // Calls f.template operator()<T>() with T the C++ type of a float32 or bfloat16 tensor.
 template <typename F>
 void on_dtype(const at::Tensor& t, const char* op, F&& f) {
@@ -65,24 +85,32 @@ void on_dtype(const at::Tensor& t, const char* op, F&& f) {
   }
 }
 
+// One row of rms_norm (restrict-qualified so that every loop vectorizes); h: d floats of scratch.
+template <typename T>
+inline void rms_norm_row(const T* __restrict__ x, const T* __restrict__ residual, const T* __restrict__ weight,
+                         T* __restrict__ out, T* __restrict__ sum_out, float* __restrict__ h, int64_t d, float eps) {
+  if (residual) {  // the sum rounds to the model dtype first, as HF's `hidden + residual` does
+    for (int64_t i = 0; i < d; ++i) sum_out[i] = from_float<T>(to_float(x[i]) + to_float(residual[i]));
+    for (int64_t i = 0; i < d; ++i) h[i] = to_float(sum_out[i]);
+  } else {
+    for (int64_t i = 0; i < d; ++i) h[i] = to_float(x[i]);
+  }
+  float sq = 0.f;  // summed in vector lanes (HF's torch reduction has an order of its own: fp32 agrees to rounding)
+#pragma omp simd reduction(+ : sq)
+  for (int64_t i = 0; i < d; ++i) sq += h[i] * h[i];
+  const float inv = 1.f / std::sqrt(sq / static_cast<float>(d) + eps);
+  // HF: weight * (h * rsqrt(var + eps)).to(dtype), the product rounded again
+  for (int64_t i = 0; i < d; ++i) out[i] = from_float<T>(to_float(weight[i]) * to_float(from_float<T>(h[i] * inv)));
+}
+
 template <typename T>
 void rms_norm_rows(const T* x, const T* residual, const T* weight, T* out, T* sum_out, int64_t rows, int64_t d,
                    float eps) {
   at::parallel_for(0, rows, grain_for(d), [&](int64_t begin, int64_t end) {
     std::vector<float> h(d);
     for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * d;
-      float sq = 0.f;
-      for (int64_t i = 0; i < d; ++i) {
-        // the sum rounds to the model dtype first, as HF's `hidden + residual` does
-        T v = residual ? from_float<T>(to_float(xr[i]) + to_float(residual[r * d + i])) : xr[i];
-        if (residual) sum_out[r * d + i] = v;
-        h[i] = to_float(v);
-        sq += h[i] * h[i];
-      }
-      const float inv = 1.f / std::sqrt(sq / static_cast<float>(d) + eps);
-      // HF: weight * (h * rsqrt(var + eps)).to(dtype), the product rounded again
-      for (int64_t i = 0; i < d; ++i) out[r * d + i] = from_float<T>(to_float(weight[i]) * to_float(from_float<T>(h[i] * inv)));
+      rms_norm_row(x + r * d, residual ? residual + r * d : nullptr, weight, out + r * d,
+                   sum_out ? sum_out + r * d : nullptr, h.data(), d, eps);
     }
   });
 }
@@ -171,6 +199,44 @@ void store_kv(const at::Tensor& new_kv, at::Tensor& cache, const at::Tensor& slo
       }
     });
   });
+}
+
+// x [rows, 2n] = [gate | up] (rows any stride, the last dim contiguous) -> silu(gate) * up [rows, n], with the bits of
+// torch's `F.silu(gate) * up`: SiLU as ATen's kernel computes it (x / (1 + exp(-x)) in fp32 with ATen's vector exp,
+// over runs of two vectors of the dtype, the rest of a row with std::exp), rounded to the dtype, then the product
+// rounded once. One pass and one output instead of two ops and a temporary. buf: n floats of scratch.
+template <typename T>
+void silu_mul_row(const T* __restrict__ gate, const T* __restrict__ up, T* __restrict__ out, float* __restrict__ buf,
+                  int64_t n) {
+  using Vec = at::vec::Vectorized<float>;
+  const int64_t vector_end = n - n % (2 * at::vec::Vectorized<T>::size());
+  for (int64_t i = 0; i < n; ++i) buf[i] = to_float(gate[i]);
+  for (int64_t i = 0; i < vector_end; i += Vec::size()) {
+    const Vec g = Vec::loadu(buf + i);
+    (g / (Vec(1.f) + g.neg().exp())).store(buf + i);
+  }
+  for (int64_t i = vector_end; i < n; ++i) buf[i] = buf[i] / (1.f + std::exp(-buf[i]));
+  for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>(to_float(from_float<T>(buf[i])) * to_float(up[i]));
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.stride(1) == 1,
+              "silu_and_mul: x [rows, 2n] with a contiguous last dim expected");
+  const int64_t rows = x.size(0), n = x.size(1) / 2;
+  at::Tensor out = at::empty({rows, n}, x.options());
+  on_dtype(x, "silu_and_mul", [&](auto tag) {
+    using T = decltype(tag);
+    const T* src = x.data_ptr<T>();
+    T* dst = out.data_ptr<T>();
+    const int64_t stride = x.stride(0);
+    at::parallel_for(0, rows, grain_for(2 * n), [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(n);
+      for (int64_t r = begin; r < end; ++r) {
+        silu_mul_row(src + r * stride, src + r * stride + n, dst + r * n, buf.data(), n);
+      }
+    });
+  });
+  return out;
 }
 
 // exp(x) for x <= 0 in a form the compiler vectorizes (std::exp does not, here): x = n ln2 + r with
@@ -270,6 +336,48 @@ inline v8 vload8(const float* p) {
   v8 v;
   std::memcpy(&v, p, sizeof(v));
   return v;
+}
+
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+inline bool any_lane(v8i m) {
+#if defined(__AVX2__)
+  __m256i bits;
+  std::memcpy(&bits, &m, sizeof(m));
+  return !_mm256_testz_si256(bits, bits);
+#else
+  int32_t any = 0;
+  for (int64_t l = 0; l < kVec8; ++l) any |= m[l];
+  return any != 0;
+#endif
+}
+
+// The index of one row's largest value as torch.argmax gives it: the first of equal maxima, or the first NaN if the
+// row has one. 8 lanes at a time (one AVX2 register): the max and a NaN flag in one pass, then the first match.
+inline int64_t argmax_row(const float* row, int64_t n) {
+  const int64_t body = n - n % kVec8;
+  v8 top = v8{} + row[0];
+  v8i nan = v8i{};
+  for (int64_t i = 0; i < body; i += kVec8) {
+    const v8 x = vload8(row + i);
+    top = x > top ? x : top;
+    nan |= x != x;
+  }
+  float best = row[0];
+  bool has_nan = any_lane(nan);
+  for (int64_t l = 0; l < kVec8; ++l) best = top[l] > best ? top[l] : best;
+  for (int64_t i = body; i < n; ++i) {
+    best = row[i] > best ? row[i] : best;
+    has_nan |= row[i] != row[i];
+  }
+  const v8 want = v8{} + best;
+  int64_t i = 0;
+  for (; i < body; i += kVec8) {
+    const v8 x = vload8(row + i);
+    if (any_lane(has_nan ? x != x : x == want)) break;
+  }
+  while (has_nan ? row[i] == row[i] : row[i] != best) ++i;
+  return i;
 }
 
 inline v8 vload8(const c10::BFloat16* p) {  // bf16 -> fp32: the bits into the upper half
@@ -643,6 +751,20 @@ void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tab
   });
 }
 
+// torch.argmax over the last dim of fp32 x [rows, n] (the last dim contiguous): int64 [rows].
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1 && x.scalar_type() == at::kFloat,
+              "argmax_rows: fp32 x [rows, n > 0] with a contiguous last dim expected");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* src = x.data_ptr<float>();
+  int64_t* idx = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain_for(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) idx[r] = argmax_row(src + r * stride, n);
+  });
+  return out;
+}
+
 // q [S, H, Dk]; key_cache / value_cache [blocks, B, Hkv, D] views; without value_cache the values
 // are the first value_dim dims of the keys (MLA). Sequence s's local token j is at
 // block_tables[s, j / B], offset j % B, for j < lens[s]. Returns out [S, H, value_dim] and lse [S, H].
@@ -694,6 +816,8 @@ TORCH_LIBRARY(dcpctl, m) {
   m.def(
       "paged_decode(Tensor q, Tensor key_cache, Tensor? value_cache, Tensor block_tables, Tensor lens, float scale, "
       "int value_dim) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dcpctl, CPU, m) {
@@ -701,4 +825,6 @@ TORCH_LIBRARY_IMPL(dcpctl, CPU, m) {
   m.impl("rotary", &rotary);
   m.impl("store_kv", &store_kv);
   m.impl("paged_decode", &paged_decode);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("argmax_rows", &argmax_rows);
 }
