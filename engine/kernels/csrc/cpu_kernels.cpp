@@ -326,10 +326,11 @@ inline v16 lane_sums16(const v16* v) {
          __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-// Eight fp32 lanes: one AVX2 register. Only AVX2 builds use these (kVectorDecode8).
+// Eight fp32 lanes: one AVX2 register. The AVX2 decode path (kVectorDecode8) and, in every build, argmax_row.
 typedef float v8 __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
 constexpr int64_t kVec8 = 8;
 
 inline v8 vload8(const float* p) {
@@ -337,8 +338,6 @@ inline v8 vload8(const float* p) {
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-
-typedef int32_t v8i __attribute__((vector_size(32)));
 
 inline bool any_lane(v8i m) {
 #if defined(__AVX2__)
@@ -455,7 +454,6 @@ inline void accumulate_values(const C* v, int64_t rows, int64_t stride, const fl
 // exp_nonpositive on 8 lanes, the same operations in the same order (so the same bits): GCC leaves the scalar
 // loop of it unvectorized in the AVX2 build (std::max became a branch), a third of the kernel's time.
 inline v8 exp_nonpositive8(v8 x) {
-  typedef int32_t v8i __attribute__((vector_size(32)));
   const v8 floor = {-87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f};
   x = x < floor ? floor : x;
   const v8 n = (x * 1.44269504f + 12582912.f) - 12582912.f;
