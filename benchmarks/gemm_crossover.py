@@ -2,6 +2,7 @@
 
     python benchmarks/gemm_crossover.py [--dtypes float32 bfloat16] [--rows 16 256 2048] [--repeats 5] [--layers 30]
     DCPCTL_CPU_ISA=avx2 python benchmarks/gemm_crossover.py     # what an AVX2-only CPU runs
+    python benchmarks/gemm_crossover.py --dtypes bfloat16 --rows 3 4 8 16 32 64 128 256 512   # DCPCTL_BF16_GEMM
 
 Per dtype, shape (qkv, o, gate_up, down, LM head) and row count: the best of `--repeats` rounds, after a warm-up, of
 the engine's panel GEMM, oneDNN's packed linear (where it packs the dtype here) and F.linear on the plain weight,
@@ -10,6 +11,8 @@ pass, the weights then come from memory, not from the cache a single weight woul
 prints ms per call and GFLOP/s, and per dtype the smallest row count from which oneDNN is faster at every larger
 measured count and on every shape (the crossover `cpu_paths.PREFILL_MIN_ROWS` is set from). Threads as the engine
 runs them (GOMP_CPU_AFFINITY binds them when given). Random weights: the speed does not depend on the values.
+On a CPU with AVX512-BF16 the bfloat16 panels are the dot-product kernel (vdpbf16ps): the bfloat16 table is what
+decides whether `DCPCTL_BF16_GEMM=panels` should be the default there (below 512 rows, where decode runs).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import torch.nn.functional as F
 
 from engine.kernels.cpu_gemm import pack_weight, packed_linear, packing_available
 from engine.kernels.cpu_isa import detect
-from engine.kernels.cpu_kernels import cpu_kernels_available, pack_panels, panel_linear
+from engine.kernels.cpu_kernels import cpu_kernels_available, loaded_build, pack_panels, panel_linear
+from engine.kernels.cpu_paths import gemm_name
 
 # SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64 dims, intermediate 1536, vocabulary 49152
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -87,10 +91,11 @@ def main() -> None:
     args = parser.parse_args()
     if not cpu_kernels_available():
         raise SystemExit("the engine's CPU kernels are not available here; nothing to compare")
-    print(f"CPU ISA {detect().describe()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    isa = detect()
+    print(f"CPU ISA {isa.describe()}; {loaded_build()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     for name in args.dtypes:
         results = measure(getattr(torch, name), args.rows, args.repeats, args.layers)
-        print(f"\n{name}: ms per call (GFLOP/s)")
+        print(f"\n{name}: ms per call (GFLOP/s); panels = {gemm_name('panels', isa, name)}")
         print("| shape | rows | panels | oneDNN packed | F.linear |\n|---|---:|---:|---:|---:|")
         for (shape, rows), times in results.items():
             flops = 2 * rows * SHAPES[shape][0] * SHAPES[shape][1]

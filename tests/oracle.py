@@ -112,5 +112,22 @@ def write_plan(folder: Path, model: Path, settings: dict | None = None, name: st
     return path
 
 
+def engine_bf16_tokens(tmp_path: Path, folder: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy bf16 tokens of a one-rank `cpu`-backend run of `folder` (in this process) for four prompts of 1-130
+    tokens, each asserted to be HF bf16's by `hf_bf16_disagreements`; returns the prompts and the tokens."""
+    from engine import LLM, SamplingParams
+
+    prompts = prompt_ids(4, [1, 9, 40, 130], seed=7)
+    plan = write_plan(tmp_path, folder, {"model.dtype": "bfloat16", "attention.backend": "cpu"})
+    with LLM(plan) as llm:
+        outputs = [
+            out.token_ids
+            for out in llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        ]
+    for ids, tokens in zip(prompts, outputs, strict=True):
+        assert hf_bf16_disagreements(folder, ids, tokens) == [], f"prompt of {len(ids)} tokens"
+    return prompts, outputs
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

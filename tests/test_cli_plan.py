@@ -57,6 +57,19 @@ def test_json_report(make_plan, tmp_path):
     assert "collectives plan: gloo (launch.cpu_comm=gloo)" in " ".join(result.output.split())
 
 
+def test_validate_shows_the_bf16_gemm_switch_and_names_a_bad_value(make_plan, tmp_path, monkeypatch):
+    folder = write_config(tmp_path / "mla", **mla_fields())
+    path = make_plan(f"model: {{path: {folder}, dtype: bfloat16}}\nlaunch: {{device: cpu}}\ncache: {{memory: 1MiB}}\n")
+    monkeypatch.setenv("DCPCTL_BF16_GEMM", "panels")
+    result = runner.invoke(app, ["plan", "validate", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "bfloat16 linear layers: GEMV for 1-2 rows, engine panel GEMM" in " ".join(result.output.split())
+    monkeypatch.setenv("DCPCTL_BF16_GEMM", "mkl")
+    result = runner.invoke(app, ["plan", "validate", str(path)])
+    assert result.exit_code == 1
+    assert "DCPCTL_BF16_GEMM='mkl' is not one of auto, onednn, panels" in " ".join(result.output.split())
+
+
 def test_show_draws_ranks_and_ownership(make_plan, tmp_path):
     folder = write_config(tmp_path / "mla", **mla_fields())
     path = make_plan(

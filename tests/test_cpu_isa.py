@@ -19,8 +19,15 @@ import torch
 
 from engine.errors import UserError
 from engine.kernels import cpu_gemm, cpu_isa, cpu_kernels
-from engine.kernels.cpu_paths import PREFILL_MIN_ROWS, CpuPaths, gemm_choices, prefill_gemm_choices
-from tests.oracle import hf_bf16_disagreements, prompt_ids, write_plan
+from engine.kernels.cpu_paths import (
+    BF16_GEMM_ENV,
+    PREFILL_MIN_ROWS,
+    CpuPaths,
+    gemm_choices,
+    prefill_gemm_choices,
+    requested_bf16_gemm,
+)
+from tests.oracle import engine_bf16_tokens, hf_bf16_disagreements
 
 REPO = Path(__file__).resolve().parents[1]
 ZEN4 = cpu_isa._names(
@@ -101,6 +108,21 @@ def test_each_level_has_its_own_portable_build(isa_view):
     assert "x86_64_v4" in names["avx512"] and "x86_64_v3" in names["avx2"] and "portable" in names["baseline"]
 
 
+def test_avx512_bf16_cpus_get_a_build_of_their_own():
+    """gcc's x86-64-v4 lacks AVX512-BF16: a CPU with it builds with -mavx512bf16 under another name; one without it,
+    or the same CPU forced to AVX2, never gets that build."""
+    zen4 = cpu_isa.CpuIsa("avx512", "avx512", ZEN4)
+    no_bf16 = cpu_isa.CpuIsa("avx512", "avx512", ZEN4 - {"avx512_bf16"})
+    forced = cpu_isa.CpuIsa("avx2", "avx512", cpu_isa._visible_flags(ZEN4, "avx2"))
+    assert zen4.bf16_dot and not no_bf16.bf16_dot and not forced.bf16_dot
+    assert cpu_kernels.build_flags(zen4)[-2:] == ["-march=x86-64-v4", "-mavx512bf16"]
+    assert "-mavx512bf16" not in cpu_kernels.build_flags(no_bf16) + cpu_kernels.build_flags(forced)
+    assert cpu_kernels.build_name(zen4).startswith("dcpctl_cpu_kernels_x86_64_v4_avx512bf16_")
+    assert cpu_kernels.build_name(no_bf16).startswith("dcpctl_cpu_kernels_x86_64_v4_")
+    assert cpu_kernels.build_name(no_bf16) != cpu_kernels.build_name(zen4)
+    assert cpu_kernels.build_name(forced).startswith("dcpctl_cpu_kernels_x86_64_v3_")
+
+
 def test_gemm_choices_per_level_and_dtype():
     avx512 = cpu_isa.CpuIsa("avx512", "avx512", ZEN4)
     avx2 = cpu_isa.CpuIsa("avx2", "avx2", EPYC_AVX2)
@@ -114,6 +136,29 @@ def test_gemm_choices_per_level_and_dtype():
         "CPU ISA avx2; C++ kernels: x86-64-v3 build; bfloat16 linear layers: GEMV for 1-2 rows, engine panel GEMM "
         "for more; decode attention: engine paged decode kernel"
     )
+
+
+def test_the_bf16_gemm_switch_puts_its_choice_first(monkeypatch):
+    """DCPCTL_BF16_GEMM=panels runs the bf16 dot-product panel GEMM where oneDNN is the default (and says so);
+    `onednn` asks for oneDNN first everywhere (a CPU that refuses it falls back at packing); float32 ignores it."""
+    avx512 = cpu_isa.CpuIsa("avx512", "avx512", ZEN4)
+    avx2 = cpu_isa.CpuIsa("avx2", "avx2", EPYC_AVX2)
+    assert gemm_choices(avx512, "bfloat16", True, "panels") == ("panels", "onednn", "torch")
+    assert prefill_gemm_choices(avx512, "bfloat16", True, "panels") == ("panels", "onednn", "torch")
+    assert gemm_choices(avx2, "bfloat16", True, "onednn") == ("onednn", "panels", "torch")
+    assert gemm_choices(avx512, "bfloat16", False, "panels") == ("onednn", "torch")
+    assert gemm_choices(avx512, "float32", True, "onednn") == ("panels", "onednn", "torch")
+    line = CpuPaths(avx512, "bfloat16", True, "cpu", "panels").describe()
+    assert (
+        "CPU ISA avx512 + avx512_bf16; C++ kernels: x86-64-v4-avx512bf16 build; bfloat16 linear layers: GEMV for 1-2 "
+        "rows, engine panel GEMM (AVX512-BF16 dot products) for more;"
+    ) in line
+    assert "oneDNN packed for more" in CpuPaths(avx512, "bfloat16", True, "cpu").describe()
+    monkeypatch.setenv(BF16_GEMM_ENV, " Panels ")
+    assert requested_bf16_gemm() == "panels"
+    monkeypatch.setenv(BF16_GEMM_ENV, "mkl")
+    with pytest.raises(UserError, match=r"DCPCTL_BF16_GEMM='mkl' is not one of auto, onednn, panels"):
+        requested_bf16_gemm()
 
 
 def test_prefill_gemm_choices_per_level_and_dtype():
@@ -175,13 +220,15 @@ def test_panel_gemm_keeps_nan_and_takes_strided_weights():
 @NEEDS_KERNELS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layers_take_the_gemm_the_isa_level_allows(dtype):
-    """bf16 takes oneDNN where oneDNN packs it (AVX-512 / AVX-NE-CONVERT), else the panel GEMM; fp32 the panels."""
+    """bf16 takes oneDNN where oneDNN packs it (AVX-512 / AVX-NE-CONVERT), else the panel GEMM (DCPCTL_BF16_GEMM
+    chooses otherwise); fp32 the panels."""
     g = torch.Generator().manual_seed(1)
     weight, x = torch.randn(96, 64, generator=g).to(dtype), torch.randn(17, 64, generator=g).to(dtype)
     if not cpu_gemm.packing_available():
         pytest.skip("this torch build has no oneDNN packed linear")
     layer = _layer(weight)
-    assert layer.gemm == ("onednn" if dtype == torch.bfloat16 and cpu_isa.detect().onednn_bf16 else "panels")
+    onednn = cpu_isa.detect().onednn_bf16 and requested_bf16_gemm() != "panels"  # a refused oneDNN falls back
+    assert layer.gemm == ("onednn" if dtype == torch.bfloat16 and onednn else "panels")
     torch.testing.assert_close(layer.project(x).float(), (x.float() @ weight.float().T), atol=0.1, rtol=2e-2)
 
 
@@ -224,8 +271,8 @@ def test_rows_on_each_side_of_the_prefill_bound_take_their_gemm(dtype, with_bias
 def test_a_layer_packs_a_weight_once_per_gemm_and_tries_a_refusing_one_once(monkeypatch):
     calls = []
     monkeypatch.setattr(cpu_gemm, "_pack_for", lambda gemm, weight: calls.append(gemm) or None)
-    monkeypatch.setattr(cpu_gemm, "gemm_choices", lambda isa, dtype, kernels: ("onednn", "panels", "torch"))
-    monkeypatch.setattr(cpu_gemm, "prefill_gemm_choices", lambda isa, dtype, kernels: ("onednn", "torch"))
+    monkeypatch.setattr(cpu_gemm, "gemm_choices", lambda *_: ("onednn", "panels", "torch"))
+    monkeypatch.setattr(cpu_gemm, "prefill_gemm_choices", lambda *_: ("onednn", "torch"))
     layer = _layer(torch.randn(40, 24))
     assert calls == ["onednn", "panels"] and layer.gemm == layer.prefill_gemm == "torch"
     assert layer.prefill_rows == sys.maxsize
@@ -250,7 +297,7 @@ def test_a_refused_packing_falls_back_instead_of_crashing(monkeypatch, caplog):
         )
 
     monkeypatch.setattr(cpu_gemm, "pack_weight", refuse)
-    monkeypatch.setattr(cpu_gemm, "gemm_choices", lambda isa, dtype, kernels: ("onednn", "panels", "torch"))
+    monkeypatch.setattr(cpu_gemm, "gemm_choices", lambda *_: ("onednn", "panels", "torch"))
     cpu_gemm._warn_refused.cache_clear()
     weight, x = torch.randn(40, 24).to(torch.bfloat16), torch.randn(9, 24).to(torch.bfloat16)
     with caplog.at_level(logging.WARNING):
@@ -259,7 +306,7 @@ def test_a_refused_packing_falls_back_instead_of_crashing(monkeypatch, caplog):
     assert "oneDNN refused to pack bfloat16 weights here (mkldnn_reorder_linear_weight" in caplog.text
     _bf16_within_one_step(layer.project(x), x.double() @ weight.double().T)
 
-    monkeypatch.setattr(cpu_gemm, "gemm_choices", lambda isa, dtype, kernels: ("onednn", "torch"))
+    monkeypatch.setattr(cpu_gemm, "gemm_choices", lambda *_: ("onednn", "torch"))
     layer = _layer(weight)  # no engine kernels either: torch's F.linear
     assert layer.gemm == "torch" and layer.packed is None
     assert torch.equal(layer.project(x), torch.nn.functional.linear(x, weight))
@@ -269,17 +316,19 @@ def test_a_refused_packing_falls_back_instead_of_crashing(monkeypatch, caplog):
 def test_engine_bf16_tokens_are_hf_bf16s(tmp_path, tiny_models):
     """bf16 greedy tokens against HF bf16 by the rule in tests/oracle.py (`hf_bf16_disagreements`), on the
     path this process's ISA level chooses; the forced-AVX2 run below repeats it on the AVX2 path."""
-    from engine import LLM, SamplingParams
-
     folder = tiny_models("llama")
-    prompts = prompt_ids(4, [1, 9, 40, 130], seed=7)
-    plan = write_plan(tmp_path, folder, {"model.dtype": "bfloat16", "attention.backend": "cpu"})
-    with LLM(plan) as llm:
-        outputs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-    for ids, out in zip(prompts, outputs, strict=True):
-        assert hf_bf16_disagreements(folder, ids, out.token_ids) == [], f"prompt of {len(ids)} tokens"
-    shifted = [(t + 1) % 500 for t in outputs[-1].token_ids]  # the rule does reject tokens HF would not pick
+    prompts, outputs = engine_bf16_tokens(tmp_path, folder)
+    shifted = [(t + 1) % 500 for t in outputs[-1]]  # the rule does reject tokens HF would not pick
     assert len(hf_bf16_disagreements(folder, prompts[-1], shifted)) > len(shifted) // 2
+
+
+def _suite_passes(suite: list[str], env: dict[str, str], tmp_path: Path, timeout: int) -> None:
+    """Run pytest on `suite` in a process with `env`: every test passes (none fails or errors)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path), *suite]
+    result = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-2000:]
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert " passed" in summary and "failed" not in summary and "error" not in summary, summary
 
 
 def _forced_avx2_env() -> dict[str, str]:
@@ -345,8 +394,22 @@ def test_equivalence_suite_on_the_forced_avx2_path(tmp_path):
         pytest.skip("this CPU has no AVX2")
     if running.level == "avx2" and not running.onednn_bf16:
         pytest.skip("this process already runs the AVX2 path (an AVX2-only CPU): the suite itself covers it")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path), *FORCED_SUITE]
-    result = subprocess.run(cmd, env=_forced_avx2_env(), cwd=REPO, capture_output=True, text=True, timeout=1500)
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-2000:]
-    assert result.returncode == 0, result.stdout[-4000:]
-    assert " passed" in summary and "failed" not in summary and "error" not in summary, summary
+    _suite_passes(FORCED_SUITE, _forced_avx2_env(), tmp_path, timeout=1500)
+
+
+PANELS_SUITE = [
+    "tests/test_layers.py",
+    "tests/test_cpu_isa.py::test_layers_take_the_gemm_the_isa_level_allows",
+    "tests/test_cpu_isa.py::test_engine_bf16_tokens_are_hf_bf16s",
+    "tests/test_cpu_gemm_avx512.py",  # this CPU's own build, where it has AVX512-BF16
+]
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_bf16_on_the_panel_gemm_where_onednn_is_the_default(tmp_path):
+    """DCPCTL_BF16_GEMM=panels on a CPU where bf16 layers take oneDNN: the layer and HF-token tests again on the
+    engine's panel GEMM (with AVX512-BF16, its dot-product kernel), the path the switch selects."""
+    if not cpu_isa.detect().onednn_bf16:
+        pytest.skip("bf16 layers take the engine's panel GEMM on this CPU already: the suite itself covers it")
+    _suite_passes(PANELS_SUITE, dict(os.environ, **{BF16_GEMM_ENV: "panels"}), tmp_path, timeout=900)

@@ -31,7 +31,9 @@ from engine.kernels.cpu_paths import (
     PREFILL_MIN_ROWS,
     describe_paths,
     gemm_choices,
+    gemm_name,
     prefill_gemm_choices,
+    requested_bf16_gemm,
 )
 
 _BATCH_HINT = 16  # the reorder picks a blocking for this many rows; any row count works
@@ -94,10 +96,10 @@ class PackableLinear(nn.Module):
         dtype = str(weight.dtype).removeprefix("torch.")
         if weight.device.type != "cpu" or dtype not in KERNEL_DTYPE_NAMES:
             return
-        isa, kernels = detect(), cpu_kernels_available()
+        isa, kernels, bf16_gemm = detect(), cpu_kernels_available(), requested_bf16_gemm()
         tried: dict[str, torch.Tensor | None] = {}  # both buckets share a packing, and try a refusing GEMM once
-        self.gemm, self.packed = _first_packed(gemm_choices(isa, dtype, kernels), weight, tried)
-        choices = prefill_gemm_choices(isa, dtype, kernels)
+        self.gemm, self.packed = _first_packed(gemm_choices(isa, dtype, kernels, bf16_gemm), weight, tried)
+        choices = prefill_gemm_choices(isa, dtype, kernels, bf16_gemm)
         self.prefill_gemm, self.prefill_packed = _first_packed(choices, weight, tried)
         if self.prefill_gemm != self.gemm:
             self.prefill_rows = PREFILL_MIN_ROWS
@@ -147,8 +149,8 @@ def pack_linears(model: nn.Module) -> dict[tuple[str, str], int]:
     return dict(taken)
 
 
-def _layer_counts(counts: collections.Counter[str]) -> str:
-    return ", ".join(f"{GEMM_NAMES[g]} ({n} layers)" for g, n in sorted(counts.items()))
+def _layer_counts(counts: collections.Counter[str], dtype: str) -> str:
+    return ", ".join(f"{gemm_name(g, detect(), dtype)} ({n} layers)" for g, n in sorted(counts.items()))
 
 
 def cpu_paths_line(dtype: torch.dtype, gemms: dict[tuple[str, str], int], backend) -> str:
@@ -160,9 +162,9 @@ def cpu_paths_line(dtype: torch.dtype, gemms: dict[tuple[str, str], int], backen
         batched[gemm] += n
         if prefill_gemm != gemm:
             prefill[prefill_gemm] += n
-    taken = _layer_counts(batched) or GEMM_NAMES["torch"]
+    taken = _layer_counts(batched, name) or GEMM_NAMES["torch"]
     kernels = getattr(backend, "kernels", False)
     decode = "engine paged decode kernel" if kernels else f"{backend.name} backend"
     build = loaded_build() or "unavailable, torch's kernels"
     gemv = cpu_kernels_available() and name in KERNEL_DTYPE_NAMES
-    return describe_paths(detect(), build, name, taken, gemv, decode, _layer_counts(prefill) or None)
+    return describe_paths(detect(), build, name, taken, gemv, decode, _layer_counts(prefill, name) or None)

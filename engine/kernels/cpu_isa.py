@@ -2,8 +2,9 @@
 
 Levels, lowest first: `baseline` (no `-march`: what the compiler targets by default, any CPU), `avx2`
 (x86-64-v3: AVX2, FMA, F16C, BMI, ...), `avx512` (x86-64-v4: AVX-512 F/BW/CD/DQ/VL). The engine's C++
-kernels are built per level (`march`), and oneDNN's bfloat16 packing is only chosen where torch's oneDNN
-can run it (`onednn_bf16`). `DCPCTL_CPU_ISA=avx2` (or `baseline`) makes the CPU report less than it has,
+kernels are built per level (`march_flags`; an AVX-512 CPU with AVX512-BF16 gets a build of its own with the bf16
+dot-product instructions, `bf16_dot`), and oneDNN's bfloat16 packing is only chosen where torch's oneDNN can run
+it (`onednn_bf16`). `DCPCTL_CPU_ISA=avx2` (or `baseline`) makes the CPU report less than it has,
 so that a machine with AVX-512 runs, and tests, what an AVX2-only CPU runs; `torch_isa_env` gives the
 variables that cap torch's and oneDNN's own kernels the same way (they must be set before torch's first
 CPU op, so `engine/__init__.py` sets them at import). No torch import here: plan checks use this module.
@@ -57,9 +58,21 @@ class CpuIsa:
         return _MARCH[self.level]
 
     @property
+    def bf16_dot(self) -> bool:
+        """Whether the kernels are built with AVX512-BF16 (vdpbf16ps): an AVX-512 level whose CPU has it. gcc's
+        x86-64-v4 does not include it, and a forced lower level hides it with the rest of AVX-512."""
+        return self.level == "avx512" and "avx512_bf16" in self.flags
+
+    @property
+    def march_flags(self) -> list[str]:
+        """The compiler's target flags of this level's kernel build (never `-march=native`)."""
+        march = [f"-march={self.march}"] if self.march else []
+        return march + (["-mavx512bf16"] if self.bf16_dot else [])
+
+    @property
     def build_variant(self) -> str:
         """The name of the kernel build for this level, part of its cache key."""
-        return self.march or "portable"
+        return (self.march or "portable") + ("-avx512bf16" if self.bf16_dot else "")
 
     @property
     def onednn_bf16(self) -> bool:

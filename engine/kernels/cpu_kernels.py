@@ -3,11 +3,11 @@
 torch's cpp_extension compiles the sources once per ISA level (~20 s with gcc on 2 cores; scripts/setup.sh
 does it at install) into `~/.cache/dcpctl/kernels` and registers the ops as `torch.ops.dcpctl.*`;
 later processes load the cached library in milliseconds. The build targets the level `engine.kernels.cpu_isa`
-reports (`-march=x86-64-v4` for AVX-512, `x86-64-v3` for AVX2, no `-march` on other CPUs), never
-`-march=native`, and the level names the cached build: a home directory shared between machines with
-different CPUs keeps one build per level and never loads one the CPU cannot run. Where it cannot be
-built (no C++ compiler) the engine runs on torch's own kernels and a one-line warning says why;
-`DCPCTL_CPU_KERNELS=0` opts out (the baseline of benchmarks/decode_throughput.py).
+reports (`-march=x86-64-v4` for AVX-512, plus `-mavx512bf16` where the CPU has AVX512-BF16, `x86-64-v3` for
+AVX2, no `-march` on other CPUs), never `-march=native`, and the build variant names the cached build: a home
+directory shared between machines with different CPUs keeps one build per variant and never loads one the CPU
+cannot run. Where it cannot be built (no C++ compiler) the engine runs on torch's own kernels and a one-line
+warning says why; `DCPCTL_CPU_KERNELS=0` opts out (the baseline of benchmarks/decode_throughput.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ _log = logging.getLogger(__name__)
 
 def build_flags(isa: CpuIsa) -> list[str]:
     """Compiler flags of the build for `isa`'s level."""
-    return BASE_CFLAGS + ([f"-march={isa.march}"] if isa.march else [])
+    return BASE_CFLAGS + isa.march_flags
 
 
 def build_name(isa: CpuIsa, library: str = "dcpctl_cpu_kernels") -> str:

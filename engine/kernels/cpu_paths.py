@@ -12,6 +12,9 @@ oneDNN's too (`prefill_gemm_choices`), from a second packed copy of the weight. 
 oneDNN is as fast or faster on every shape from 512 rows on with AVX-512 (12-30% on the down projection; a 16 x
 128-token SmolLM2 prefill 11% faster on two threads, worth the second copy), and never with AVX2.
 Without the engine's kernels: oneDNN, else F.linear.
+
+`DCPCTL_BF16_GEMM=panels` (or `onednn`) puts that GEMM first for bfloat16 whatever the CPU: with AVX512-BF16 the
+engine's panel GEMM is its dot-product kernel (vdpbf16ps), not yet measured against oneDNN's (RESULTS.md says how).
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from engine.errors import UserError
 from engine.kernels.cpu_isa import CpuIsa
 
 GEMV_MAX_ROWS = 2  # above this many rows a packed GEMM is faster than the GEMV (benchmarks/gemv_roofline.py)
 PREFILL_MIN_ROWS = 512  # from this many rows on oneDNN's fp32 beats the panel GEMM with AVX-512 (gemm_crossover.py)
 GEMM_NAMES = {"onednn": "oneDNN packed", "panels": "engine panel GEMM", "torch": "torch F.linear"}
 KERNEL_DTYPE_NAMES = ("float32", "bfloat16")  # what the engine's C++ kernels take
+BF16_GEMM_ENV = "DCPCTL_BF16_GEMM"
+BF16_GEMMS = ("auto", "onednn", "panels")
 
 
 def kernels_wanted() -> bool:
@@ -32,21 +38,40 @@ def kernels_wanted() -> bool:
     return os.environ.get("DCPCTL_CPU_KERNELS", "1") != "0"
 
 
-def gemm_choices(isa: CpuIsa, dtype: str, kernels: bool) -> tuple[str, ...]:
-    """The GEMMs for more than GEMV_MAX_ROWS rows, best first; a layer takes the first that packs its weight."""
+def requested_bf16_gemm() -> str:
+    """DCPCTL_BF16_GEMM, or `auto`; a UserError names the choices for anything else."""
+    value = os.environ.get(BF16_GEMM_ENV, "auto").strip().lower() or "auto"
+    if value not in BF16_GEMMS:
+        raise UserError(f"{BF16_GEMM_ENV}={value!r} is not one of {', '.join(BF16_GEMMS)}")
+    return value
+
+
+def gemm_choices(isa: CpuIsa, dtype: str, kernels: bool, bf16_gemm: str = "auto") -> tuple[str, ...]:
+    """The GEMMs for more than GEMV_MAX_ROWS rows, best first; a layer takes the first that packs its weight.
+    `bf16_gemm` (DCPCTL_BF16_GEMM) puts oneDNN or the panel GEMM first for bfloat16; `auto`: oneDNN where it packs."""
     if dtype not in KERNEL_DTYPE_NAMES:
         return ("torch",)
-    onednn_first = dtype == "bfloat16" and isa.onednn_bf16
+    if dtype == "bfloat16" and bf16_gemm != "auto":
+        onednn_first = bf16_gemm == "onednn"
+    else:
+        onednn_first = dtype == "bfloat16" and isa.onednn_bf16
     choices = ("onednn", "panels") if onednn_first else ("panels", "onednn")
     return (*(c for c in choices if kernels or c != "panels"), "torch")
 
 
-def prefill_gemm_choices(isa: CpuIsa, dtype: str, kernels: bool) -> tuple[str, ...]:
+def prefill_gemm_choices(isa: CpuIsa, dtype: str, kernels: bool, bf16_gemm: str = "auto") -> tuple[str, ...]:
     """The GEMMs for PREFILL_MIN_ROWS rows or more, best first (a layer takes the first that packs its weight):
     oneDNN's for float32 with AVX-512, else what batched decode takes (the same packed weight)."""
     if dtype == "float32" and isa.level == "avx512":
         return ("onednn", *(c for c in gemm_choices(isa, dtype, kernels) if c != "onednn"))
-    return gemm_choices(isa, dtype, kernels)
+    return gemm_choices(isa, dtype, kernels, bf16_gemm)
+
+
+def gemm_name(gemm: str, isa: CpuIsa, dtype: str) -> str:
+    """How the start-up line and plan checks name a GEMM: the panel GEMM says when it is the bf16 dot-product kernel."""
+    if gemm == "panels" and dtype == "bfloat16" and isa.bf16_dot:
+        return f"{GEMM_NAMES[gemm]} (AVX512-BF16 dot products)"
+    return GEMM_NAMES[gemm]
 
 
 def describe_paths(
@@ -70,19 +95,21 @@ class CpuPaths:
     dtype: str
     kernels: bool
     backend: str
+    bf16_gemm: str = "auto"  # DCPCTL_BF16_GEMM
 
     @property
     def gemm(self) -> str:
-        return gemm_choices(self.isa, self.dtype, self.kernels)[0]
+        return gemm_choices(self.isa, self.dtype, self.kernels, self.bf16_gemm)[0]
 
     @property
     def prefill_gemm(self) -> str:
-        return prefill_gemm_choices(self.isa, self.dtype, self.kernels)[0]
+        return prefill_gemm_choices(self.isa, self.dtype, self.kernels, self.bf16_gemm)[0]
 
     def describe(self) -> str:
         """What the plan will run here (the start-up line reports what actually loaded)."""
         build = f"{self.isa.build_variant} build" if self.kernels else "off (DCPCTL_CPU_KERNELS=0)"
         gemv = self.kernels and self.dtype in KERNEL_DTYPE_NAMES
         decode = "engine paged decode kernel" if self.kernels and self.backend == "cpu" else f"{self.backend} backend"
-        prefill = GEMM_NAMES[self.prefill_gemm] if self.prefill_gemm != self.gemm else None
-        return describe_paths(self.isa, build, self.dtype, GEMM_NAMES[self.gemm], gemv, decode, prefill)
+        prefill = gemm_name(self.prefill_gemm, self.isa, self.dtype) if self.prefill_gemm != self.gemm else None
+        gemm = gemm_name(self.gemm, self.isa, self.dtype)
+        return describe_paths(self.isa, build, self.dtype, gemm, gemv, decode, prefill)

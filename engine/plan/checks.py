@@ -17,7 +17,7 @@ from engine.checkpoints.aliases import is_alias, resolve_model_path
 from engine.checkpoints.model_info import ModelInfo, dtype_bytes, read_model_info
 from engine.errors import UserError
 from engine.kernels import cpu_isa
-from engine.kernels.cpu_paths import CpuPaths, kernels_wanted
+from engine.kernels.cpu_paths import BF16_GEMM_ENV, CpuPaths, kernels_wanted, requested_bf16_gemm
 from engine.parallel_layout import ParallelLayout, divisors, layout_problems
 from engine.placement.split import COMM_CHOICES, DENSE_PLACEMENTS, DensePlacement
 from engine.plan.kv_sizing import format_bytes, kv_sizing, parse_memory
@@ -199,7 +199,12 @@ def _resolve_cpu_paths(problems: PlanProblems, res: ResolvedPlan) -> None:
     except UserError as exc:
         problems.error(cpu_isa.ENV, str(exc))
         return
-    res.cpu_paths = CpuPaths(isa, res.dtype, kernels_wanted(), res.backend)
+    try:
+        bf16_gemm = requested_bf16_gemm()
+    except UserError as exc:
+        problems.error(BF16_GEMM_ENV, str(exc))
+        return
+    res.cpu_paths = CpuPaths(isa, res.dtype, kernels_wanted(), res.backend, bf16_gemm)
 
 
 def _resolve_cpu_comm(problems: PlanProblems, res: ResolvedPlan) -> None:

@@ -10,7 +10,13 @@
 //                 outer product BLAS libraries use (a block of x rows times one panel, k steps of one FMA per
 //                 row and vector), fp32 accumulation, bf16 weights widened in registers. It is the bf16 path
 //                 where oneDNN has none (CPUs without AVX-512 or AVX-NE-CONVERT) and keeps bf16's memory.
-// This file is built once per ISA level (cpu_kernels.py): the vector width comes from the -march it gets.
+//                 With AVX512-BF16 (`-mavx512bf16`) a bf16 panel holds pairs of consecutive k values per column
+//                 instead, and x goes in as the same pairs: one vdpbf16ps per vector does two k steps (twice the fp32
+//                 FMA rate), accumulating in fp32.
+// This file is built once per ISA level (cpu_kernels.py): the vector width comes from the -march it gets. Defining
+// DCPCTL_EMULATE_AVX512_BF16 (the test build of tests/test_cpu_gemm_avx512.py, never the engine's) selects the
+// AVX-512 + AVX512-BF16 code on any CPU, SIMDe's portable intrinsics standing in for the instructions, and names
+// its ops `dcpctl_avx512_emulated::` so that it loads beside the engine's build.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -23,15 +29,30 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(DCPCTL_EMULATE_AVX512_BF16)
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#define DCPCTL_AVX512
+#define DCPCTL_AVX512_BF16
+#define DCPCTL_OPS dcpctl_avx512_emulated
+#else
+#if defined(__AVX512F__)
+#define DCPCTL_AVX512
+#if defined(__AVX512BF16__)
+#define DCPCTL_AVX512_BF16
+#endif
+#endif
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#define DCPCTL_OPS dcpctl
 #endif
 
 namespace {
 
 // One vector register of fp32 lanes, as wide as this build's ISA has (GCC vector types: the intrinsics'
 // __m512 / __m256 are such types too, so lanes can be indexed).
-#if defined(__AVX512F__)
+#if defined(DCPCTL_AVX512)
 constexpr int64_t kLanes = 16;
 using vfloat = __m512;
 inline vfloat vfma(vfloat a, vfloat b, vfloat acc) { return _mm512_fmadd_ps(a, b, acc); }
@@ -66,6 +87,14 @@ inline float bf16_to_float(uint16_t bits) {
 
 inline float to_fp32(float v) { return v; }
 inline float to_fp32(uint16_t bits) { return bf16_to_float(bits); }
+
+#if defined(DCPCTL_AVX512_BF16)
+constexpr bool kBf16Pairs = true;
+#else
+constexpr bool kBf16Pairs = false;
+#endif
+// A bf16 pair (k values 2s and 2s + 1, the first in the low half) as the dot-product path's weights and x hold them
+using bf16_pair = uint32_t;
 
 // fp32 -> fp32, or -> bf16 bits rounded to nearest even as c10::BFloat16 rounds (NaN -> 0x7FC0)
 template <typename Out>
@@ -110,10 +139,18 @@ inline void vload_row(const uint16_t* p, vfloat& lo, vfloat& hi) {
   std::memcpy(&hi, &high, sizeof(hi));
 }
 
-// Where column c of a panel row sits in memory: in order for fp32, interleaved as vload_row reads it for bf16.
-inline int64_t panel_slot(int64_t c, bool interleaved) {
-  if (!interleaved) return c;
-  return c < kLanes ? 2 * c : 2 * (c - kLanes) + 1;
+// A panel of the dtype is [steps, width] elements: k rows of kPanel columns, or for bf16 pairs ceil(k / 2) rows of
+// kPanel pairs (an odd k padded with a zero).
+inline bool pairs_of(at::ScalarType dtype) { return kBf16Pairs && dtype == at::kBFloat16; }
+inline int64_t panel_steps(at::ScalarType dtype, int64_t k) { return pairs_of(dtype) ? (k + 1) / 2 : k; }
+inline int64_t panel_width(at::ScalarType dtype) { return pairs_of(dtype) ? 2 * kPanel : kPanel; }
+
+// Where w[c][i] (column c of a panel, k index i) sits in it: in order for fp32, interleaved as vload_row reads it for
+// bf16, or in the (i, i + 1) pair of column c for bf16 pairs.
+inline int64_t panel_slot(int64_t i, int64_t c, at::ScalarType dtype) {
+  if (dtype == at::kFloat) return i * kPanel + c;
+  if (pairs_of(dtype)) return (i / 2) * 2 * kPanel + 2 * c + i % 2;
+  return i * kPanel + (c < kLanes ? 2 * c : 2 * (c - kLanes) + 1);
 }
 
 inline float dot(const float* row, const float* x, int64_t k) {
@@ -196,16 +233,17 @@ at::Tensor pack_panels(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2, "pack_panels: a [n, k] weight expected");
   check_weight(w, w, "pack_panels");
   const int64_t n = w.size(0), k = w.size(1), panels = (n + kPanel - 1) / kPanel;
-  at::Tensor out = at::zeros({panels, k, kPanel}, w.options());
+  const at::ScalarType dtype = w.scalar_type();
+  const int64_t steps = panel_steps(dtype, k), width = panel_width(dtype);
+  at::Tensor out = at::zeros({panels, steps, width}, w.options());
   const int64_t size = w.element_size();
-  const bool interleaved = w.scalar_type() == at::kBFloat16;
   const auto* src = static_cast<const char*>(w.data_ptr());
   auto* dst = static_cast<char*>(out.data_ptr());
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
       for (int64_t c = 0; c < std::min(kPanel, n - p * kPanel); ++c)
         for (int64_t i = 0; i < k; ++i)
-          std::memcpy(dst + ((p * k + i) * kPanel + panel_slot(c, interleaved)) * size,
+          std::memcpy(dst + (p * steps * width + panel_slot(i, c, dtype)) * size,
                       src + ((p * kPanel + c) * k + i) * size, size);
   });
   return out;
@@ -219,18 +257,28 @@ struct RowBlocks {
   int64_t rows(int64_t b) const { return base + (b < extra ? 1 : 0); }
 };
 
-// x regrouped per register block: block b holds its rows as [k][rows] at row first(b), so that the micro-kernel's
-// broadcasts read one contiguous stream. Widens a bf16 x on the way.
-template <typename X>
-std::vector<float> pack_row_blocks(const X* x, const RowBlocks& blocks, int64_t k) {
-  std::vector<float> out(blocks.first(blocks.count) * k);
+// Step p of an x row [k] as the micro-kernel takes it: fp32 (a bf16 x widened), or the bf16 pair (2p, 2p + 1)
+template <typename X, typename Src>
+inline X x_step(const Src* row, int64_t p, int64_t k) {
+  if constexpr (std::is_same_v<X, float>) {
+    return to_fp32(row[p]);
+  } else {
+    return bf16_pair(row[2 * p]) | (2 * p + 1 < k ? bf16_pair(row[2 * p + 1]) << 16 : 0u);
+  }
+}
+
+// x regrouped per register block: block b holds its rows as [steps][rows] at row first(b), so that the
+// micro-kernel's broadcasts read one contiguous stream (x_step: widened or paired on the way).
+template <typename X, typename Src>
+std::vector<X> pack_row_blocks(const Src* x, const RowBlocks& blocks, int64_t k, int64_t steps) {
+  std::vector<X> out(blocks.first(blocks.count) * steps);
   const int64_t grain = std::max<int64_t>(1, kInlineElements / (kBlockRows * k));  // decode-sized x: no threads
   at::parallel_for(0, blocks.count, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t first = blocks.first(b), rows = blocks.rows(b);
-      float* block = out.data() + first * k;
+      X* block = out.data() + first * steps;
       for (int64_t i = 0; i < rows; ++i)
-        for (int64_t p = 0; p < k; ++p) block[p * rows + i] = to_fp32(x[(first + i) * k + p]);
+        for (int64_t p = 0; p < steps; ++p) block[p * rows + i] = x_step<X>(x + (first + i) * k, p, k);
     }
   });
   return out;
@@ -248,22 +296,47 @@ struct Prefetch {
   }
 };
 
-// IB rows of x ([k][IB] from pack_row_blocks) times one panel [k, kPanel] into y (row stride ldy) at the panel's
-// first column; `cols` of its columns are real (the last panel's are fewer), bias (fp32) starts at that column
-template <int64_t IB, typename W, typename Out>
-inline void panel_block(const float* xt, int64_t k, const W* panel, const float* bias, Out* y, int64_t ldy,
+// One step of IB rows against a panel row: each row's x broadcast times the row's weights (widened), fp32 FMAs
+template <int64_t IB, typename W>
+inline void panel_step(const float* xt, const W* row, vfloat* lo, vfloat* hi) {
+  vfloat w0, w1;
+  vload_row(row, w0, w1);
+  for (int64_t i = 0; i < IB; ++i) {
+    const vfloat xi = vsplat(xt[i]);
+    lo[i] = vfma(xi, w0, lo[i]);
+    hi[i] = vfma(xi, w1, hi[i]);
+  }
+}
+
+#if defined(DCPCTL_AVX512_BF16)
+inline __m512bh as_bf16_pairs(__m512i v) {
+  __m512bh pairs;
+  std::memcpy(&pairs, &v, sizeof(pairs));
+  return pairs;
+}
+
+// Two k steps of IB rows: each row's x pair broadcast to every lane, dotted with each column's weight pair
+template <int64_t IB>
+inline void panel_step(const bf16_pair* xt, const bf16_pair* row, vfloat* lo, vfloat* hi) {
+  const __m512bh w0 = as_bf16_pairs(_mm512_loadu_si512(row)), w1 = as_bf16_pairs(_mm512_loadu_si512(row + kLanes));
+  for (int64_t i = 0; i < IB; ++i) {
+    const __m512bh xi = as_bf16_pairs(_mm512_set1_epi32(int32_t(xt[i])));
+    lo[i] = _mm512_dpbf16_ps(lo[i], xi, w0);
+    hi[i] = _mm512_dpbf16_ps(hi[i], xi, w1);
+  }
+}
+#endif
+
+// IB rows of x ([steps][IB] from pack_row_blocks) times one panel [steps, kPanel] into y (row stride ldy) at the
+// panel's first column; `cols` of its columns are real (the last panel's are fewer), bias (fp32) starts at that column
+template <int64_t IB, typename X, typename W, typename Out>
+inline void panel_block(const X* xt, int64_t steps, const W* panel, const float* bias, Out* y, int64_t ldy,
                         int64_t cols, const Prefetch& next) {
   vfloat lo[IB], hi[IB];
   for (int64_t i = 0; i < IB; ++i) lo[i] = hi[i] = vfloat{};
-  for (int64_t p = 0; p < k; ++p, panel += kPanel, xt += IB) {
+  for (int64_t p = 0; p < steps; ++p, panel += kPanel, xt += IB) {
     next.touch(p);
-    vfloat w0, w1;
-    vload_row(panel, w0, w1);
-    for (int64_t i = 0; i < IB; ++i) {
-      const vfloat xi = vsplat(xt[i]);
-      lo[i] = vfma(xi, w0, lo[i]);
-      hi[i] = vfma(xi, w1, hi[i]);
-    }
+    panel_step<IB>(xt, panel, lo, hi);
   }
   for (int64_t i = 0; i < IB; ++i, y += ldy) {
     if (cols == kPanel) {
@@ -277,36 +350,37 @@ inline void panel_block(const float* xt, int64_t k, const W* panel, const float*
 }
 
 // a block's row count is only known at run time: pick its instantiation
-template <typename W, typename Out, int64_t IB = kBlockRows>
-inline void panel_block_of(int64_t rows, const float* xt, int64_t k, const W* panel, const float* bias, Out* y,
+template <typename X, typename W, typename Out, int64_t IB = kBlockRows>
+inline void panel_block_of(int64_t rows, const X* xt, int64_t steps, const W* panel, const float* bias, Out* y,
                            int64_t ldy, int64_t cols, const Prefetch& next) {
   if constexpr (IB > 0) {
-    if (rows == IB) return panel_block<IB>(xt, k, panel, bias, y, ldy, cols, next);
-    panel_block_of<W, Out, IB - 1>(rows, xt, k, panel, bias, y, ldy, cols, next);
+    if (rows == IB) return panel_block<IB>(xt, steps, panel, bias, y, ldy, cols, next);
+    panel_block_of<X, W, Out, IB - 1>(rows, xt, steps, panel, bias, y, ldy, cols, next);
   }
 }
 
 // Threads split the panels; each takes x a chunk of blocks at a time (the chunk stays in L2) against its panels.
-template <typename W, typename Out>
-void panel_gemm(const float* xt, const RowBlocks& blocks, const W* panels, const float* bias, int64_t n, int64_t k,
+// A panel is `steps` rows of kPanel W (pack_panels), xt the blocks of pack_row_blocks.
+template <typename X, typename W, typename Out>
+void panel_gemm(const X* xt, const RowBlocks& blocks, const W* panels, const float* bias, int64_t n, int64_t steps,
                 Out* y) {
   const int64_t count = (n + kPanel - 1) / kPanel;
-  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (kBlockRows * k * int64_t(sizeof(float))));
-  const int64_t panel_bytes = k * kPanel * int64_t(sizeof(W));
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (kBlockRows * steps * int64_t(sizeof(X))));
+  const int64_t panel_bytes = steps * kPanel * int64_t(sizeof(W));
   at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b0 = 0; b0 < blocks.count; b0 += chunk) {
       for (int64_t p = begin; p < end; ++p) {
-        const W* panel = panels + p * k * kPanel;
+        const W* panel = panels + p * steps * kPanel;
         const int64_t col = p * kPanel, cols = std::min(kPanel, n - col);
         const int64_t b1 = std::min(blocks.count, b0 + chunk);
         // the thread's next panel (or, after its last, the chunk's first again), fetched while this one computes
-        const W* following = panels + (p + 1 < end ? p + 1 : begin) * k * kPanel;
-        const int64_t step = panel_bytes / ((b1 - b0) * k);
+        const W* following = panels + (p + 1 < end ? p + 1 : begin) * steps * kPanel;
+        const int64_t step = panel_bytes / ((b1 - b0) * steps);
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t first = blocks.first(b);
-          const Prefetch next{reinterpret_cast<const char*>(following) + (b - b0) * k * step, step};
-          panel_block_of(blocks.rows(b), xt + first * k, k, panel, bias ? bias + col : nullptr, y + first * n + col, n,
-                         cols, next);
+          const Prefetch next{reinterpret_cast<const char*>(following) + (b - b0) * steps * step, step};
+          panel_block_of(blocks.rows(b), xt + first * steps, steps, panel, bias ? bias + col : nullptr,
+                         y + first * n + col, n, cols, next);
         }
       }
     }
@@ -314,37 +388,45 @@ void panel_gemm(const float* xt, const RowBlocks& blocks, const W* panels, const
 }
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.size(0) == (n + kPanel - 1) / kPanel,
-              "panel_linear: panels from pack_panels of this build expected");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == panels.size(1), "panel_linear: x [m, k] expected");
+  TORCH_CHECK(x.dim() == 2, "panel_linear: x [m, k] expected");
   check_weight(x, panels, "panel_linear");
-  const int64_t m = x.size(0), k = x.size(1);
+  const at::ScalarType dtype = panels.scalar_type();
+  const int64_t m = x.size(0), k = x.size(1), steps = panel_steps(dtype, k);
+  TORCH_CHECK(panels.dim() == 3 && panels.size(0) == (n + kPanel - 1) / kPanel && panels.size(1) == steps &&
+                  panels.size(2) == panel_width(dtype),
+              "panel_linear: x [m, k] and panels from pack_panels of a [n, k] weight in this build expected");
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0) return out;
   const at::Tensor xc = x.contiguous();
   std::vector<float> bf;
-  const float* bs = fp32_bias(bias, n, panels.scalar_type(), bf);
+  const float* bs = fp32_bias(bias, n, dtype, bf);
   const RowBlocks blocks(m);
-  if (panels.scalar_type() == at::kFloat) {
-    const std::vector<float> xt = pack_row_blocks(xc.data_ptr<float>(), blocks, k);
+  if (dtype == at::kFloat) {
+    const std::vector<float> xt = pack_row_blocks<float>(xc.data_ptr<float>(), blocks, k, k);
     panel_gemm(xt.data(), blocks, panels.data_ptr<float>(), bs, n, k, out.data_ptr<float>());
-  } else {
-    const std::vector<float> xt = pack_row_blocks(reinterpret_cast<const uint16_t*>(xc.data_ptr()), blocks, k);
-    panel_gemm(xt.data(), blocks, reinterpret_cast<const uint16_t*>(panels.data_ptr()), bs, n, k,
-               reinterpret_cast<uint16_t*>(out.data_ptr()));
+    return out;
   }
+  const auto* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  auto* yb = reinterpret_cast<uint16_t*>(out.data_ptr());
+#if defined(DCPCTL_AVX512_BF16)
+  const std::vector<bf16_pair> xt = pack_row_blocks<bf16_pair>(xb, blocks, k, steps);
+  panel_gemm(xt.data(), blocks, reinterpret_cast<const bf16_pair*>(panels.data_ptr()), bs, n, steps, yb);
+#else
+  const std::vector<float> xt = pack_row_blocks<float>(xb, blocks, k, k);
+  panel_gemm(xt.data(), blocks, reinterpret_cast<const uint16_t*>(panels.data_ptr()), bs, n, k, yb);
+#endif
   return out;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(dcpctl, m) {
+TORCH_LIBRARY_FRAGMENT(DCPCTL_OPS, m) {
   m.def("gemv(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
   m.def("pack_panels(Tensor w) -> Tensor");
   m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(dcpctl, CPU, m) {
+TORCH_LIBRARY_IMPL(DCPCTL_OPS, CPU, m) {
   m.impl("gemv", &gemv);
   m.impl("pack_panels", &pack_panels);
   m.impl("panel_linear", &panel_linear);
