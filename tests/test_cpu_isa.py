@@ -12,6 +12,7 @@ import os
 import platform
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -159,6 +160,16 @@ def test_the_bf16_gemm_switch_puts_its_choice_first(monkeypatch):
     monkeypatch.setenv(BF16_GEMM_ENV, "mkl")
     with pytest.raises(UserError, match=r"DCPCTL_BF16_GEMM='mkl' is not one of auto, onednn, panels"):
         requested_bf16_gemm()
+
+
+def test_the_start_up_line_names_the_bf16_dot_product_kernel(monkeypatch):
+    """What a rank prints: bf16 layers on the panel GEMM of an AVX512-BF16 build are named as its dot-product kernel."""
+    monkeypatch.setattr(cpu_gemm, "detect", lambda: cpu_isa.CpuIsa("avx512", "avx512", ZEN4))
+    backend = types.SimpleNamespace(kernels=True, name="cpu")
+    bf16 = cpu_gemm.cpu_paths_line(torch.bfloat16, {("panels", "panels"): 211}, backend)
+    assert "bfloat16 linear layers: " in bf16 and "engine panel GEMM (AVX512-BF16 dot products) (211 layers)" in bf16
+    fp32 = cpu_gemm.cpu_paths_line(torch.float32, {("panels", "panels"): 211}, backend)
+    assert "engine panel GEMM (211 layers)" in fp32
 
 
 def test_prefill_gemm_choices_per_level_and_dtype():

@@ -392,6 +392,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
   check_weight(x, panels, "panel_linear");
   const at::ScalarType dtype = panels.scalar_type();
   const int64_t m = x.size(0), k = x.size(1), steps = panel_steps(dtype, k);
+  // (bf16 pairs of an odd k and of k + 1 have one shape: the layers pair x with their own weight's panels)
   TORCH_CHECK(panels.dim() == 3 && panels.size(0) == (n + kPanel - 1) / kPanel && panels.size(1) == steps &&
                   panels.size(2) == panel_width(dtype),
               "panel_linear: x [m, k] and panels from pack_panels of a [n, k] weight in this build expected");
