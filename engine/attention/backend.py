@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -83,6 +84,14 @@ def current_metadata() -> AttentionMetadata:
     return _CURRENT
 
 
+class Rotary(Protocol):
+    """The rotary embedding `rotate_and_write` applies (engine.layers.rotary.RotaryEmbedding)."""
+
+    interleaved: bool
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...
+
+
 class AttentionBackend(ABC):
     """Kernels one engine step uses; `prepare` runs once per step, the rest once per layer."""
 
@@ -102,6 +111,23 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
     ) -> None:
         """Store each token's key/value at its slot; slot -1 (another rank's token) is skipped."""
+
+    def rotate_and_write(
+        self,
+        qkv: torch.Tensor,
+        rope: Rotary,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Rotate the query and key heads of qkv [T, Hq + 2 Hkv, D] and store the rotated keys and the values as
+        `write_cache` does; returns the rotated query and key heads [T, Hq + Hkv, D]."""
+        kv_heads = key_cache.shape[2]
+        qk = rope.apply(qkv[:, :-kv_heads], cos, sin)
+        self.write_cache(qk[:, -kv_heads:], qkv[:, -kv_heads:], key_cache, value_cache, metadata)
+        return qk
 
     @abstractmethod
     def prefill_new(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention.backend import current_metadata
+from engine.attention.backend import AttentionMetadata, Rotary, current_metadata
 from engine.attention.dcp_combine import CombineSpec, attend_cache, merge_attention
 from engine.distributed import get_parallel
 
@@ -49,9 +49,22 @@ class PagedAttention(nn.Module):
         self.new_head_of_col = torch.arange(columns.start, columns.stop, device=par.device) // value_dim - heads.start
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of rotated q, k and v (MLA)."""
         md = current_metadata()
+        md.backend.write_cache(k, None if self.value_in_key else v, self.key_cache, self.value_cache, md)
+        return self._attend(q, k, v, md)
+
+    def rotary_forward(self, qkv: torch.Tensor, rope: Rotary, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Attention of one projection's unrotated heads qkv [N, Hq + 2 Hkv, D]: the backend rotates q and k and
+        stores k and v in one call (one op on CPU)."""
+        md = current_metadata()
+        qk = md.backend.rotate_and_write(qkv, rope, cos, sin, self.key_cache, self.value_cache, md)
+        q_heads = qk.shape[1] - self.num_kv_heads
+        return self._attend(qk[:, :q_heads], qk[:, q_heads:], qkv[:, qk.shape[1] :], md)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """The rest of the layer once the new keys and values are in the cache."""
         backend = md.backend
-        backend.write_cache(k, None if self.value_in_key else v, self.key_cache, self.value_cache, md)
         prefill_tokens = md.num_prefill_tokens
         decoded = None
         if md.decode is not None:
@@ -66,7 +79,7 @@ class PagedAttention(nn.Module):
             out[prefill_tokens:] = decoded
         return out
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         backend = md.backend
         context = md.prefill_context is not None
         if self.new_kv_index is not None:
