@@ -110,17 +110,17 @@ def test_rotary_store_kv_gives_the_bits_of_rotary_then_store_kv(
     """The fused op against the ops it replaces (torch's rotary, then `store_kv` of k and v) and against the torch
     backend's path: the rotated q and k and every byte of the cache storage, tokens another rank owns included."""
     torch.set_num_threads(threads)
-    dim, tokens = 64, 37  # 37 tokens: three tiles of the kernel, split over threads when there are 4
+    dim, tokens = 64, 100  # enough for the kernel to split them over 4 threads
     g = torch.Generator().manual_seed(heads * 100 + dcp_size * 10 + interleave)
     cfg = LlamaConfig(hidden_size=heads * dim, num_attention_heads=heads)
     rope = RotaryEmbedding(cfg, dim, 4096, interleaved, torch.device("cpu"))
-    # each token its own sequence of 3 blocks (so distinct slots), past the first block and on either side of a
+    # each token its own sequence of 2 blocks (so distinct slots), past the first block and on either side of a
     # block boundary
     virtual = block * dcp_size
-    positions = torch.randint(0, 3 * virtual, (tokens,), generator=g)
-    positions[:4] = torch.tensor([virtual - 1, virtual, 0, 2 * virtual + 1])
-    blocks = 3 * tokens
-    tables = torch.randperm(blocks, generator=g).view(tokens, 3).tolist()
+    positions = torch.randint(0, 2 * virtual, (tokens,), generator=g)
+    positions[:4] = torch.tensor([virtual - 1, virtual, 0, 2 * virtual - 1])
+    blocks = 2 * tokens
+    tables = torch.randperm(blocks, generator=g).view(tokens, 2).tolist()
     rank = dcp_size - 1
     slots = torch.tensor(
         [dcp.slot(int(p), rank, tables[t], block, interleave, dcp_size) for t, p in enumerate(positions)]

@@ -222,14 +222,10 @@ void store_kv(const at::Tensor& new_kv, at::Tensor& cache, const at::Tensor& slo
   });
 }
 
-// Tokens per tile of rotary_store_kv: a batch-16 decode step is one tile.
-constexpr int64_t kRotaryStoreTile = 16;
-
 // qkv [T, Hq + 2 Hkv, D] (one projection's query, key and value heads, any strides but the last) -> the rotated
 // query and key heads [T, Hq + Hkv, D], as `rotary` computes them; the rotated keys and the values go into the cache
 // views [blocks, B, Hkv, D] at `slots` as `store_kv` writes them (-1: another DCP rank's token, skipped). One op per
-// layer instead of three: the new rows land on lines no core has touched since the block was handed out, so each
-// tile first prefetches its destination lines, rotates its tokens while they arrive, then stores.
+// layer instead of three, each token's rows rotated and stored while they are in L1.
 at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
                            at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slots) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1,
@@ -262,31 +258,17 @@ at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
         const at::Tensor& v = *views[kind];
         return caches[kind] + slot[t] / block * v.stride(0) + slot[t] % block * v.stride(1) + h * v.stride(2);
       };
-      const int64_t tiles = (tokens + kRotaryStoreTile - 1) / kRotaryStoreTile;
-      at::parallel_for(0, tiles, grain_for(kRotaryStoreTile * (rotated + kv_heads) * dim), [&](int64_t begin, int64_t end) {
-        for (int64_t tile = begin; tile < end; ++tile) {
-          const int64_t first = tile * kRotaryStoreTile, last = std::min(tokens, first + kRotaryStoreTile);
-          for (int64_t t = first; t < last; ++t) {
-            if (slot[t] < 0) continue;
-            for (int kind = 0; kind < 2; ++kind) {
-              for (int64_t h = 0; h < kv_heads; ++h) {
-                const char* line = reinterpret_cast<const char*>(dest(kind, t, h));
-                for (int64_t byte = 0; byte < dim * int64_t(sizeof(C)); byte += 64) __builtin_prefetch(line + byte, 1, 3);
-              }
-            }
+      at::parallel_for(0, tokens, grain_for((rotated + kv_heads) * dim), [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const In* x = src + t * qkv.stride(0);
+          In* rot = dst + t * rotated * dim;
+          for (int64_t h = 0; h < rotated; ++h) {
+            rotary_row(x + h * qkv.stride(1), cp + t * dim, sp + t * dim, rot + h * dim, dim, interleaved);
           }
-          for (int64_t t = first; t < last; ++t) {
-            const In* x = src + t * qkv.stride(0);
-            for (int64_t h = 0; h < rotated; ++h) {
-              rotary_row(x + h * qkv.stride(1), cp + t * dim, sp + t * dim, dst + (t * rotated + h) * dim, dim, interleaved);
-            }
-          }
-          for (int64_t t = first; t < last; ++t) {
-            if (slot[t] < 0) continue;  // another DCP rank stores this token
-            for (int64_t h = 0; h < kv_heads; ++h) {
-              store_row(dst + (t * rotated + q_heads + h) * dim, dest(0, t, h), dim);
-              store_row(src + t * qkv.stride(0) + (rotated + h) * qkv.stride(1), dest(1, t, h), dim);
-            }
+          if (slot[t] < 0) continue;  // another DCP rank stores this token
+          for (int64_t h = 0; h < kv_heads; ++h) {
+            store_row(rot + (q_heads + h) * dim, dest(0, t, h), dim);
+            store_row(x + (rotated + h) * qkv.stride(1), dest(1, t, h), dim);
           }
         }
       });
