@@ -9,6 +9,7 @@ the query dtype, log-sum-exp [T, H] in fp32 (natural log; -inf where a row saw n
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,8 +37,8 @@ class PagedKV:
     need_lse: bool = True  # False: the caller discards the log-sum-exp (decode without DCP)
     extra: dict = field(default_factory=dict)  # backend-specific tensors, prepared once per step
 
-    @property
-    def one_query_each(self) -> bool:
+    @functools.cached_property
+    def one_query_each(self) -> bool:  # read by every layer: computed once a step
         return all(n == 1 for n in self.query_counts)
 
 
@@ -121,13 +122,14 @@ class AttentionBackend(ABC):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate the query and key heads of qkv [T, Hq + 2 Hkv, D] and store the rotated keys and the values as
-        `write_cache` does; returns the rotated query and key heads [T, Hq + Hkv, D]."""
+        `write_cache` does; returns the rotated query heads [T, Hq, D] and key heads [T, Hkv, D]."""
         kv_heads = key_cache.shape[2]
         qk = rope.apply(qkv[:, :-kv_heads], cos, sin)
-        self.write_cache(qk[:, -kv_heads:], qkv[:, -kv_heads:], key_cache, value_cache, metadata)
-        return qk
+        k = qk[:, -kv_heads:]
+        self.write_cache(k, qkv[:, -kv_heads:], key_cache, value_cache, metadata)
+        return qk[:, :-kv_heads], k
 
     @abstractmethod
     def prefill_new(

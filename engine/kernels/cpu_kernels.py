@@ -124,9 +124,9 @@ def rotary_store_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slots: torch.Tensor,
-) -> torch.Tensor:
-    """Rotary of the query and key heads of qkv [T, Hq + 2 Hkv, D] (returned, [T, Hq + Hkv, D]) and the store of
-    the rotated keys and the values into the cache views at `slots`: the bits of `rotary` then two `store_kv`."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary of the query and key heads of qkv [T, Hq + 2 Hkv, D] (returned: [T, Hq, D], [T, Hkv, D]) and the store
+    of the rotated keys and the values into the cache views at `slots`: the bits of `rotary` then two `store_kv`."""
     return torch.ops.dcpctl.rotary_store_kv(qkv, cos, sin, interleaved, key_cache, value_cache, slots)
 
 

@@ -58,26 +58,25 @@ class PagedAttention(nn.Module):
         """Attention of one projection's unrotated heads qkv [N, Hq + 2 Hkv, D]: the backend rotates q and k and
         stores k and v in one call (one op on CPU)."""
         md = current_metadata()
-        qk = md.backend.rotate_and_write(qkv, rope, cos, sin, self.key_cache, self.value_cache, md)
-        q_heads = qk.shape[1] - self.num_kv_heads
-        return self._attend(qk[:, :q_heads], qk[:, q_heads:], qkv[:, qk.shape[1] :], md)
+        q, k = md.backend.rotate_and_write(qkv, rope, cos, sin, self.key_cache, self.value_cache, md)
+        if md.prefill is None:  # v is only read by a prefill: no slice of it at decode
+            return self._decode(q, md)
+        return self._attend(q, k, qkv[:, q.shape[1] + k.shape[1] :], md)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """The rest of the layer once the new keys and values are in the cache."""
-        backend = md.backend
-        prefill_tokens = md.num_prefill_tokens
-        decoded = None
-        if md.decode is not None:
-            decoded, _ = attend_cache(
-                backend, self.spec, q[prefill_tokens:], self.key_cache, self.value_cache, md.decode, self.scale, False
-            )
         if md.prefill is None:  # a decode-only step: no copy into a joint output
-            return decoded
+            return self._decode(q, md)
+        prefill_tokens = md.num_prefill_tokens
         out = q.new_empty(q.shape[0], self.width)
         out[:prefill_tokens] = self._prefill(q[:prefill_tokens], k[:prefill_tokens], v[:prefill_tokens], md)
-        if decoded is not None:
-            out[prefill_tokens:] = decoded
+        if md.decode is not None:
+            out[prefill_tokens:] = self._decode(q[prefill_tokens:], md)
         return out
+
+    def _decode(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """The decoding rows' attention to the cache (they are written first): this rank's columns [T, W]."""
+        return attend_cache(md.backend, self.spec, q, self.key_cache, self.value_cache, md.decode, self.scale, False)[0]
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         backend = md.backend

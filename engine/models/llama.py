@@ -41,9 +41,8 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        out = self.attn.rotary_forward(self.qkv_proj(x).view(n, -1, self.head_dim), rope, cos, sin)
-        return self.o_proj(out.view(n, -1))
+        qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
+        return self.o_proj(self.attn.rotary_forward(qkv, rope, cos, sin))
 
 
 class GatedMLP(nn.Module):

@@ -223,10 +223,10 @@ void store_kv(const at::Tensor& new_kv, at::Tensor& cache, const at::Tensor& slo
 }
 
 // qkv [T, Hq + 2 Hkv, D] (one projection's query, key and value heads, any strides but the last) -> the rotated
-// query and key heads [T, Hq + Hkv, D], as `rotary` computes them; the rotated keys and the values go into the cache
+// query heads [T, Hq, D] and key heads [T, Hkv, D], as `rotary` computes them; the rotated keys and the values go into the cache
 // views [blocks, B, Hkv, D] at `slots` as `store_kv` writes them (-1: another DCP rank's token, skipped). One op per
 // layer instead of three, each token's rows rotated and stored while they are in L1.
-at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
+std::tuple<at::Tensor, at::Tensor> rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
                            at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slots) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1,
               "rotary_store_kv: qkv [tokens, q heads + 2 kv heads, dim] with a contiguous last dim expected");
@@ -241,7 +241,8 @@ at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
                 "rotary_store_kv: key and value caches [blocks, B, Hkv, D] of one dtype expected");
   }
   const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
-  at::Tensor out = at::empty({tokens, rotated, dim}, qkv.options());
+  at::Tensor q_out = at::empty({tokens, q_heads, dim}, qkv.options());
+  at::Tensor k_out = at::empty({tokens, kv_heads, dim}, qkv.options());
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t block = key_cache.size(1);
   on_dtype(qkv, "rotary_store_kv", [&](auto in_tag) {
@@ -249,7 +250,7 @@ at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
     on_dtype(key_cache, "rotary_store_kv", [&](auto cache_tag) {
       using C = decltype(cache_tag);
       const In* src = qkv.data_ptr<In>();
-      In* dst = out.data_ptr<In>();
+      In* const outs[2] = {q_out.data_ptr<In>(), k_out.data_ptr<In>()};
       C* const caches[2] = {key_cache.data_ptr<C>(), value_cache.data_ptr<C>()};
       const at::Tensor* views[2] = {&key_cache, &value_cache};
       const float* cp = cc.data_ptr<float>();
@@ -261,20 +262,22 @@ at::Tensor rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const a
       at::parallel_for(0, tokens, grain_for((rotated + kv_heads) * dim), [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
           const In* x = src + t * qkv.stride(0);
-          In* rot = dst + t * rotated * dim;
+          In* const q = outs[0] + t * q_heads * dim;
+          In* const k = outs[1] + t * kv_heads * dim;
           for (int64_t h = 0; h < rotated; ++h) {
-            rotary_row(x + h * qkv.stride(1), cp + t * dim, sp + t * dim, rot + h * dim, dim, interleaved);
+            In* o = h < q_heads ? q + h * dim : k + (h - q_heads) * dim;
+            rotary_row(x + h * qkv.stride(1), cp + t * dim, sp + t * dim, o, dim, interleaved);
           }
           if (slot[t] < 0) continue;  // another DCP rank stores this token
           for (int64_t h = 0; h < kv_heads; ++h) {
-            store_row(rot + (q_heads + h) * dim, dest(0, t, h), dim);
+            store_row(k + h * dim, dest(0, t, h), dim);
             store_row(x + (rotated + h) * qkv.stride(1), dest(1, t, h), dim);
           }
         }
       });
     });
   });
-  return out;
+  return {q_out, k_out};
 }
 
 // x [rows, 2n] = [gate | up] (rows any stride, the last dim contiguous) -> silu(gate) * up [rows, n], with the bits of
@@ -889,7 +892,7 @@ TORCH_LIBRARY(dcpctl, m) {
   m.def("store_kv(Tensor new_kv, Tensor(a!) cache, Tensor slots) -> ()");
   m.def(
       "rotary_store_kv(Tensor qkv, Tensor cos, Tensor sin, bool interleaved, Tensor(a!) key_cache, "
-      "Tensor(b!) value_cache, Tensor slots) -> Tensor");
+      "Tensor(b!) value_cache, Tensor slots) -> (Tensor, Tensor)");
   m.def(
       "paged_decode(Tensor q, Tensor key_cache, Tensor? value_cache, Tensor block_tables, Tensor lens, float scale, "
       "int value_dim) -> (Tensor, Tensor)");
