@@ -101,12 +101,18 @@ def profile_rank(args: argparse.Namespace) -> None:
 
     def init(self, *a, **k):
         build(self, *a, **k)
-        if args.prefault:
-            kv_cache.fault_in(self.kv_cache)
         for name, module in self.model.named_modules():
             module.profile_name = name.rsplit(".", 1)[-1]  # qkv_proj, o_proj, gate_up_proj, down_proj, lm_head
 
     ModelRunner.__init__ = init
+    allocate = ModelRunner.allocate_cache
+
+    def allocate_faulted(self, layout):
+        allocate(self, layout)
+        kv_cache.fault_in(self.kv_cache)
+
+    if args.prefault:
+        ModelRunner.allocate_cache = allocate_faulted
     execute = ModelRunner.execute
     end = args.warmup + args.steps
 
