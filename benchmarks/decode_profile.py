@@ -1,7 +1,7 @@
 """Where a decode step goes, on every rank: the same decode-only steps of each rank of a plan, broken down by timers.
 
     python benchmarks/decode_profile.py PLAN [KEY=VALUE ...] [--batch 8] [--prompt-len 512] [--warmup 8]
-        [--steps 16] [--output DIR]
+        [--steps 16] [--prefault] [--output DIR]
 
 A plan of several ranks is started with torchrun (this script again, one process per rank, one thread each as
 `dcpctl run` starts them); a one-rank plan runs in this process. Each rank times the decode-only steps before the
@@ -9,7 +9,8 @@ window (timers off), then, for `--steps` more, the wall time of every linear lay
 write, the local paged attention, the DCP combine, RMSNorm, rotary and each collective by the layer that calls it
 (its wait for the peer included), and writes them to DIR/rank{r}.json; the launching process prints one table per
 rank. (torch.profiler crashed these processes with torch 2.13 on CPU, so the timers are the engine's own calls,
-wrapped in place.)
+wrapped in place.) `--prefault` touches every page of the KV cache first, as a server's cache is once each block has
+been written: otherwise the KV write of a fresh process also pays the first-touch page faults of the cache's pages.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pathlib import Path
 TIMED = (
     ("engine.kernels.cpu_gemm", "PackableLinear.project", "matmul"),  # label completed by the layer's name
     ("engine.attention.cpu_backend", "CpuBackend.write_cache", "attention: KV write"),
+    # Llama-family layers: rotary and the KV write in one call (without the kernels its time includes the two below)
+    ("engine.attention.cpu_backend", "CpuBackend.rotate_and_write", "attention: rotary + KV write"),
     ("engine.attention.cpu_backend", "CpuBackend.paged", "attention: local paged decode"),
     ("engine.attention.dcp_combine", "combine", "DCP combine (whole)"),
     ("engine.layers.norm", "RMSNorm.forward", "RMSNorm"),
@@ -49,6 +52,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--warmup", type=int, default=8, help="decode steps before the broken-down ones (timed whole)")
     parser.add_argument("--steps", type=int, default=16, help="decode steps broken down by the timers")
+    parser.add_argument("--prefault", action="store_true", help="touch every KV cache page before the run")
     parser.add_argument("--output", type=Path, default=Path("runs/decode_profile"))
     args = parser.parse_args()
     args.output.mkdir(parents=True, exist_ok=True)
@@ -79,6 +83,7 @@ def profile_rank(args: argparse.Namespace) -> None:
 
     import torch
 
+    from engine.attention import kv_cache
     from engine.core.sequence import SamplingParams
     from engine.runtime.model_runner import ModelRunner
 
@@ -100,6 +105,14 @@ def profile_rank(args: argparse.Namespace) -> None:
             module.profile_name = name.rsplit(".", 1)[-1]  # qkv_proj, o_proj, gate_up_proj, down_proj, lm_head
 
     ModelRunner.__init__ = init
+    allocate = ModelRunner.allocate_cache
+
+    def allocate_faulted(self, layout):
+        allocate(self, layout)
+        kv_cache.fault_in(self.kv_cache)
+
+    if args.prefault:
+        ModelRunner.allocate_cache = allocate_faulted
     execute = ModelRunner.execute
     end = args.warmup + args.steps
 

@@ -12,7 +12,9 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from engine import dcp
 from engine.attention import kv_cache
+from engine.attention.backend import AttentionMetadata
 from engine.attention.cpu_backend import CpuBackend
 from engine.attention.registry import create_backend
 from engine.attention.torch_backend import softmax_attention
@@ -89,6 +91,69 @@ def test_rotary_kernel_gives_the_torch_bits(dtype, interleaved):
     x = qkv[:, 1:6]  # a strided view, as the attention layers pass q and k
     cos, sin = rope.lookup(torch.tensor([0, 1, 9, 300, 2047, 4095]))
     assert torch.equal(rope.apply(x, cos, sin), rope.apply_torch(x, cos, sin))
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dtype", "cache_dtype", "dcp_size", "interleave", "block", "interleaved"),
+    [
+        (9, 3, torch.float32, torch.float32, 1, 1, 64, False),  # SmolLM2 at tp 1
+        (9, 3, torch.bfloat16, torch.bfloat16, 2, 1, 16, False),  # every other token on this rank
+        (8, 2, torch.float32, torch.bfloat16, 2, 4, 8, False),  # runs of 4; a bf16 cache under an fp32 model
+        (4, 4, torch.bfloat16, torch.bfloat16, 3, 2, 4, True),  # no GQA; adjacent pairs rotate
+    ],
+)
+def test_rotary_store_kv_gives_the_bits_of_rotary_then_store_kv(
+    four_threads, threads, heads, kv_heads, dtype, cache_dtype, dcp_size, interleave, block, interleaved
+):
+    """The fused op against the ops it replaces (torch's rotary, then `store_kv` of k and v) and against the torch
+    backend's path: the rotated q and k and every byte of the cache storage, tokens another rank owns included."""
+    torch.set_num_threads(threads)
+    dim, tokens = 64, 100  # enough for the kernel to split them over 4 threads
+    g = torch.Generator().manual_seed(heads * 100 + dcp_size * 10 + interleave)
+    cfg = LlamaConfig(hidden_size=heads * dim, num_attention_heads=heads)
+    rope = RotaryEmbedding(cfg, dim, 4096, interleaved, torch.device("cpu"))
+    # each token its own sequence of 2 blocks (so distinct slots), past the first block and on either side of a
+    # block boundary
+    virtual = block * dcp_size
+    positions = torch.randint(0, 2 * virtual, (tokens,), generator=g)
+    positions[:4] = torch.tensor([virtual - 1, virtual, 0, 2 * virtual - 1])
+    blocks = 2 * tokens
+    tables = torch.randperm(blocks, generator=g).view(tokens, 2).tolist()
+    rank = dcp_size - 1
+    slots = torch.tensor(
+        [dcp.slot(int(p), rank, tables[t], block, interleave, dcp_size) for t, p in enumerate(positions)]
+    )
+    if dcp_size > 1:
+        assert (slots < 0).any() and (slots >= 0).any()  # some tokens are another rank's: not stored here
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim + 5, generator=g).to(dtype)[:, 5:].view(tokens, -1, dim)
+    cos, sin = rope.lookup(positions)
+
+    def storage_and_views():
+        storage, layers = kv_cache.allocate(
+            2, blocks, block, kv_heads, dim, False, cache_dtype, torch.device("cpu"), True
+        )
+        storage.copy_(torch.randn(storage.shape, generator=torch.Generator().manual_seed(1)))  # stale bytes
+        return storage, layers[1]
+
+    storage, (kc, vc) = storage_and_views()
+    got = torch.cat(cpu_kernels.rotary_store_kv(qkv, cos, sin, interleaved, kc, vc, slots), dim=1)
+    want_storage, (want_kc, want_vc) = storage_and_views()
+    want = rope.apply_torch(qkv[:, : heads + kv_heads], cos, sin)
+    cpu_kernels.store_kv(want[:, heads:], want_kc, slots)
+    cpu_kernels.store_kv(qkv[:, heads + kv_heads :], want_vc, slots)
+    assert torch.equal(got, want) and torch.equal(storage, want_storage)
+    if cache_dtype != dtype:
+        return  # the torch backend's store needs one dtype
+    torch_storage, (torch_kc, torch_vc) = storage_and_views()
+    reference = create_backend("torch")
+    metadata = AttentionMetadata(reference, slots, num_prefill_tokens=0, num_decode_tokens=tokens)
+    reference.prepare(metadata)
+    assert torch.equal(
+        torch.cat(reference.rotate_and_write(qkv, rope, cos, sin, torch_kc, torch_vc, metadata), 1), want
+    )
+    assert torch.equal(torch_storage, want_storage)
 
 
 @pytest.fixture

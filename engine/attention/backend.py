@@ -9,10 +9,12 @@ the query dtype, log-sum-exp [T, H] in fp32 (natural log; -inf where a row saw n
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -35,8 +37,8 @@ class PagedKV:
     need_lse: bool = True  # False: the caller discards the log-sum-exp (decode without DCP)
     extra: dict = field(default_factory=dict)  # backend-specific tensors, prepared once per step
 
-    @property
-    def one_query_each(self) -> bool:
+    @functools.cached_property
+    def one_query_each(self) -> bool:  # read by every layer: computed once a step
         return all(n == 1 for n in self.query_counts)
 
 
@@ -83,6 +85,14 @@ def current_metadata() -> AttentionMetadata:
     return _CURRENT
 
 
+class Rotary(Protocol):
+    """The rotary embedding `rotate_and_write` applies (engine.layers.rotary.RotaryEmbedding)."""
+
+    interleaved: bool
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...
+
+
 class AttentionBackend(ABC):
     """Kernels one engine step uses; `prepare` runs once per step, the rest once per layer."""
 
@@ -102,6 +112,24 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
     ) -> None:
         """Store each token's key/value at its slot; slot -1 (another rank's token) is skipped."""
+
+    def rotate_and_write(
+        self,
+        qkv: torch.Tensor,
+        rope: Rotary,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate the query and key heads of qkv [T, Hq + 2 Hkv, D] and store the rotated keys and the values as
+        `write_cache` does; returns the rotated query heads [T, Hq, D] and key heads [T, Hkv, D]."""
+        kv_heads = key_cache.shape[2]
+        qk = rope.apply(qkv[:, :-kv_heads], cos, sin)
+        k = qk[:, -kv_heads:]
+        self.write_cache(k, qkv[:, -kv_heads:], key_cache, value_cache, metadata)
+        return qk[:, :-kv_heads], k
 
     @abstractmethod
     def prefill_new(

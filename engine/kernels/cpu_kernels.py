@@ -116,6 +116,20 @@ def store_kv(new_kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> 
     torch.ops.dcpctl.store_kv(new_kv, cache, slots)
 
 
+def rotary_store_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary of the query and key heads of qkv [T, Hq + 2 Hkv, D] (returned: [T, Hq, D], [T, Hkv, D]) and the store
+    of the rotated keys and the values into the cache views at `slots`: the bits of `rotary` then two `store_kv`."""
+    return torch.ops.dcpctl.rotary_store_kv(qkv, cos, sin, interleaved, key_cache, value_cache, slots)
+
+
 def paged_decode(
     q: torch.Tensor,
     key_cache: torch.Tensor,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention.backend import current_metadata
+from engine.attention.backend import AttentionMetadata, Rotary, current_metadata
 from engine.attention.dcp_combine import CombineSpec, attend_cache, merge_attention
 from engine.distributed import get_parallel
 
@@ -49,24 +49,36 @@ class PagedAttention(nn.Module):
         self.new_head_of_col = torch.arange(columns.start, columns.stop, device=par.device) // value_dim - heads.start
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of rotated q, k and v (MLA)."""
         md = current_metadata()
-        backend = md.backend
-        backend.write_cache(k, None if self.value_in_key else v, self.key_cache, self.value_cache, md)
-        prefill_tokens = md.num_prefill_tokens
-        decoded = None
-        if md.decode is not None:
-            decoded, _ = attend_cache(
-                backend, self.spec, q[prefill_tokens:], self.key_cache, self.value_cache, md.decode, self.scale, False
-            )
+        md.backend.write_cache(k, None if self.value_in_key else v, self.key_cache, self.value_cache, md)
+        return self._attend(q, k, v, md)
+
+    def rotary_forward(self, qkv: torch.Tensor, rope: Rotary, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Attention of one projection's unrotated heads qkv [N, Hq + 2 Hkv, D]: the backend rotates q and k and
+        stores k and v in one call (one op on CPU)."""
+        md = current_metadata()
+        q, k = md.backend.rotate_and_write(qkv, rope, cos, sin, self.key_cache, self.value_cache, md)
+        if md.prefill is None:  # v is only read by a prefill: no slice of it at decode
+            return self._decode(q, md)
+        return self._attend(q, k, qkv[:, q.shape[1] + k.shape[1] :], md)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """The rest of the layer once the new keys and values are in the cache."""
         if md.prefill is None:  # a decode-only step: no copy into a joint output
-            return decoded
+            return self._decode(q, md)
+        prefill_tokens = md.num_prefill_tokens
         out = q.new_empty(q.shape[0], self.width)
         out[:prefill_tokens] = self._prefill(q[:prefill_tokens], k[:prefill_tokens], v[:prefill_tokens], md)
-        if decoded is not None:
-            out[prefill_tokens:] = decoded
+        if md.decode is not None:
+            out[prefill_tokens:] = self._decode(q[prefill_tokens:], md)
         return out
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """The decoding rows' attention to the cache (they are written first): this rank's columns [T, W]."""
+        return attend_cache(md.backend, self.spec, q, self.key_cache, self.value_cache, md.decode, self.scale, False)[0]
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         backend = md.backend
         context = md.prefill_context is not None
         if self.new_kv_index is not None:

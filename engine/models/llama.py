@@ -41,14 +41,8 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        n, d = x.shape[0], self.head_dim
-        q_heads, kv_heads = self.qkv_proj.q_local, self.qkv_proj.kv_local
-        # q and k are adjacent in qkv: rotate them in one go
-        qk = rope.apply(qkv[:, : (q_heads + kv_heads) * d].view(n, q_heads + kv_heads, d), cos, sin)
-        v = qkv[:, (q_heads + kv_heads) * d :].view(n, kv_heads, d)
-        out = self.attn(qk[:, :q_heads], qk[:, q_heads:], v)
-        return self.o_proj(out.view(n, -1))
+        qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
+        return self.o_proj(self.attn.rotary_forward(qkv, rope, cos, sin))
 
 
 class GatedMLP(nn.Module):

@@ -6,6 +6,7 @@
 //   rms_norm      HF's RMSNorm (fp32 statistics, rounding as HF rounds), optionally after the residual add.
 //   rotary        rotary embedding of a [tokens, heads, dim] view, in fp32 as torch computes it (same bits).
 //   store_kv      new keys/values into the paged cache through the slot mapping.
+//   rotary_store_kv  rotary of a layer's query and key heads and the store of its keys and values, in one op.
 //   paged_decode  one query per sequence against its paged keys/values: exact softmax in fp32,
 //                 returning the log-sum-exp per head (the DCP merge needs it).
 //   silu_and_mul  silu(gate) * up of [gate | up] rows in one pass, with torch's `F.silu(gate) * up` bits.
@@ -132,13 +133,37 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const std::opti
   return {out, sum};
 }
 
-// x [T, H, D] (any strides but the last), cos / sin [T, 1, D] fp32 with the rotation's sign folded into sin:
-// out = x * cos + partner(x) * sin, partner pairing dim i with i + D/2 (neox) or each adjacent pair (interleaved).
+// One head's row of rotary: out = x * cos + partner(x) * sin over dim elements, cos / sin fp32 with the rotation's sign
+// folded into sin, partner pairing dim i with i + dim/2 (neox) or each adjacent pair (interleaved).
+template <typename T>
+inline void rotary_row(const T* __restrict__ x, const float* __restrict__ c, const float* __restrict__ sn,
+                       T* __restrict__ o, int64_t dim, bool interleaved) {
+  if (interleaved) {
+    for (int64_t i = 0; i < dim; i += 2) {
+      const float even = to_float(x[i]), odd = to_float(x[i + 1]);
+      o[i] = from_float<T>(even * c[i] + odd * sn[i]);
+      o[i + 1] = from_float<T>(odd * c[i + 1] + even * sn[i + 1]);
+    }
+  } else {
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < half; ++i) {
+      const float lo = to_float(x[i]), hi = to_float(x[i + half]);
+      o[i] = from_float<T>(lo * c[i] + hi * sn[i]);
+      o[i + half] = from_float<T>(hi * c[i + half] + lo * sn[i + half]);
+    }
+  }
+}
+
+void check_rotary_tables(const at::Tensor& cos, const at::Tensor& sin, int64_t tokens, int64_t dim, const char* op) {
+  TORCH_CHECK(dim % 2 == 0 && cos.numel() == tokens * dim && sin.numel() == tokens * dim, op, ": cos/sin [T, 1, D] expected");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, op, ": fp32 cos/sin expected");
+}
+
+// x [T, H, D] (any strides but the last), cos / sin [T, 1, D]: the rotated heads [T, H, D] (rotary_row).
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool interleaved) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rotary: x [tokens, heads, dim] with a contiguous last dim expected");
-  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
-  TORCH_CHECK(dim % 2 == 0 && cos.numel() == tokens * dim && sin.numel() == tokens * dim, "rotary: cos/sin [T, 1, D] expected");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "rotary: fp32 cos/sin expected");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
+  check_rotary_tables(cos, sin, tokens, dim, "rotary");
   const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
   at::Tensor out = at::empty({tokens, heads, dim}, x.options());
   on_dtype(x, "rotary", [&](auto tag) {
@@ -150,35 +175,32 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
     at::parallel_for(0, tokens * heads, grain_for(dim), [&](int64_t begin, int64_t end) {
       for (int64_t row = begin; row < end; ++row) {
         const int64_t t = row / heads, h = row % heads;
-        const T* xr = src + t * x.stride(0) + h * x.stride(1);
-        const float* c = cp + t * dim;
-        const float* sn = sp + t * dim;
-        T* o = dst + row * dim;
-        if (interleaved) {
-          for (int64_t i = 0; i < dim; i += 2) {
-            const float even = to_float(xr[i]), odd = to_float(xr[i + 1]);
-            o[i] = from_float<T>(even * c[i] + odd * sn[i]);
-            o[i + 1] = from_float<T>(odd * c[i + 1] + even * sn[i + 1]);
-          }
-        } else {
-          for (int64_t i = 0; i < half; ++i) {
-            const float lo = to_float(xr[i]), hi = to_float(xr[i + half]);
-            o[i] = from_float<T>(lo * c[i] + hi * sn[i]);
-            o[i + half] = from_float<T>(hi * c[i + half] + lo * sn[i + half]);
-          }
-        }
+        rotary_row(src + t * x.stride(0) + h * x.stride(1), cp + t * dim, sp + t * dim, dst + row * dim, dim,
+                   interleaved);
       }
     });
   });
   return out;
 }
 
+// One head's row into the cache, converted to the cache's dtype through fp32.
+template <typename In, typename C>
+inline void store_row(const In* __restrict__ from, C* __restrict__ to, int64_t dim) {
+  for (int64_t i = 0; i < dim; ++i) to[i] = from_float<C>(to_float(from[i]));
+}
+
+void check_cache_view(const at::Tensor& cache, const at::Tensor& slots, int64_t tokens, const char* op) {
+  TORCH_CHECK(cache.dim() == 4 && cache.stride(3) == 1, op, ": a [blocks, B, H, D] cache view expected");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == tokens && slots.is_contiguous(), op,
+              ": int64 slots [tokens] expected");
+}
+
 // A layer's cache view [blocks, block_size, heads, dim] in any layout whose last dim is contiguous (the
 // torch backend's storage is head-major behind it); new_kv [tokens, heads, dim].
 void store_kv(const at::Tensor& new_kv, at::Tensor& cache, const at::Tensor& slots) {
-  TORCH_CHECK(cache.dim() == 4 && cache.stride(3) == 1, "store_kv: a [blocks, B, H, D] cache view expected");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == new_kv.size(0), "store_kv: int64 slots [tokens] expected");
-  const int64_t block = cache.size(1), heads = cache.size(2), dim = cache.size(3), tokens = new_kv.size(0);
+  const int64_t tokens = new_kv.size(0);
+  check_cache_view(cache, slots, tokens, "store_kv");
+  const int64_t block = cache.size(1), heads = cache.size(2), dim = cache.size(3);
   TORCH_CHECK(new_kv.dim() == 3 && new_kv.size(1) == heads && new_kv.size(2) == dim, "store_kv: new_kv [tokens, heads, D] expected");
   TORCH_CHECK(new_kv.stride(2) == 1, "store_kv: new_kv's last dim must be contiguous");
   const int64_t* slot = slots.data_ptr<int64_t>();
@@ -192,13 +214,70 @@ void store_kv(const at::Tensor& new_kv, at::Tensor& cache, const at::Tensor& slo
         if (slot[t] < 0) continue;  // another DCP rank stores this token
         const int64_t b = slot[t] / block, off = slot[t] % block;
         for (int64_t h = 0; h < heads; ++h) {
-          C* to = dst + b * cache.stride(0) + off * cache.stride(1) + h * cache.stride(2);
-          const In* from = src + t * new_kv.stride(0) + h * new_kv.stride(1);
-          for (int64_t i = 0; i < dim; ++i) to[i] = from_float<C>(to_float(from[i]));
+          store_row(src + t * new_kv.stride(0) + h * new_kv.stride(1),
+                    dst + b * cache.stride(0) + off * cache.stride(1) + h * cache.stride(2), dim);
         }
       }
     });
   });
+}
+
+// qkv [T, Hq + 2 Hkv, D] (one projection's query, key and value heads, any strides but the last) -> the rotated
+// query heads [T, Hq, D] and key heads [T, Hkv, D], as `rotary` computes them; the rotated keys and the values go into the cache
+// views [blocks, B, Hkv, D] at `slots` as `store_kv` writes them (-1: another DCP rank's token, skipped). One op per
+// layer instead of three, each token's rows rotated and stored while they are in L1.
+std::tuple<at::Tensor, at::Tensor> rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
+                           at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slots) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1,
+              "rotary_store_kv: qkv [tokens, q heads + 2 kv heads, dim] with a contiguous last dim expected");
+  const int64_t tokens = qkv.size(0), dim = qkv.size(2);
+  check_cache_view(key_cache, slots, tokens, "rotary_store_kv");
+  const int64_t kv_heads = key_cache.size(2), rotated = qkv.size(1) - kv_heads, q_heads = rotated - kv_heads;
+  TORCH_CHECK(q_heads >= 0, "rotary_store_kv: qkv has fewer heads than twice the cache's");
+  check_rotary_tables(cos, sin, tokens, dim, "rotary_store_kv");
+  for (const at::Tensor* cache : {&key_cache, &value_cache}) {
+    check_cache_view(*cache, slots, tokens, "rotary_store_kv");
+    TORCH_CHECK(cache->size(2) == kv_heads && cache->size(3) == dim && cache->scalar_type() == key_cache.scalar_type(),
+                "rotary_store_kv: key and value caches [blocks, B, Hkv, D] of one dtype expected");
+  }
+  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
+  at::Tensor q_out = at::empty({tokens, q_heads, dim}, qkv.options());
+  at::Tensor k_out = at::empty({tokens, kv_heads, dim}, qkv.options());
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t block = key_cache.size(1);
+  on_dtype(qkv, "rotary_store_kv", [&](auto in_tag) {
+    using In = decltype(in_tag);
+    on_dtype(key_cache, "rotary_store_kv", [&](auto cache_tag) {
+      using C = decltype(cache_tag);
+      const In* src = qkv.data_ptr<In>();
+      In* const outs[2] = {q_out.data_ptr<In>(), k_out.data_ptr<In>()};
+      C* const caches[2] = {key_cache.data_ptr<C>(), value_cache.data_ptr<C>()};
+      const at::Tensor* views[2] = {&key_cache, &value_cache};
+      const float* cp = cc.data_ptr<float>();
+      const float* sp = sc.data_ptr<float>();
+      auto dest = [&](int kind, int64_t t, int64_t h) {
+        const at::Tensor& v = *views[kind];
+        return caches[kind] + slot[t] / block * v.stride(0) + slot[t] % block * v.stride(1) + h * v.stride(2);
+      };
+      at::parallel_for(0, tokens, grain_for((rotated + kv_heads) * dim), [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const In* x = src + t * qkv.stride(0);
+          In* const q = outs[0] + t * q_heads * dim;
+          In* const k = outs[1] + t * kv_heads * dim;
+          for (int64_t h = 0; h < rotated; ++h) {
+            In* o = h < q_heads ? q + h * dim : k + (h - q_heads) * dim;
+            rotary_row(x + h * qkv.stride(1), cp + t * dim, sp + t * dim, o, dim, interleaved);
+          }
+          if (slot[t] < 0) continue;  // another DCP rank stores this token
+          for (int64_t h = 0; h < kv_heads; ++h) {
+            store_row(k + h * dim, dest(0, t, h), dim);
+            store_row(x + (rotated + h) * qkv.stride(1), dest(1, t, h), dim);
+          }
+        }
+      });
+    });
+  });
+  return {q_out, k_out};
 }
 
 // x [rows, 2n] = [gate | up] (rows any stride, the last dim contiguous) -> silu(gate) * up [rows, n], with the bits of
@@ -812,6 +891,9 @@ TORCH_LIBRARY(dcpctl, m) {
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, bool interleaved) -> Tensor");
   m.def("store_kv(Tensor new_kv, Tensor(a!) cache, Tensor slots) -> ()");
   m.def(
+      "rotary_store_kv(Tensor qkv, Tensor cos, Tensor sin, bool interleaved, Tensor(a!) key_cache, "
+      "Tensor(b!) value_cache, Tensor slots) -> (Tensor, Tensor)");
+  m.def(
       "paged_decode(Tensor q, Tensor key_cache, Tensor? value_cache, Tensor block_tables, Tensor lens, float scale, "
       "int value_dim) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
@@ -822,6 +904,7 @@ TORCH_LIBRARY_IMPL(dcpctl, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary", &rotary);
   m.impl("store_kv", &store_kv);
+  m.impl("rotary_store_kv", &rotary_store_kv);
   m.impl("paged_decode", &paged_decode);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
