@@ -27,7 +27,8 @@ from pathlib import Path
 TIMED = (
     ("engine.kernels.cpu_gemm", "PackableLinear.project", "matmul"),  # label completed by the layer's name
     ("engine.attention.cpu_backend", "CpuBackend.write_cache", "attention: KV write"),
-    # Llama-family layers: rotary and the KV write in one call (without the kernels its time includes the two below)
+    # Llama-family layers: rotary and the KV write in one call (without the kernels its time also counts in the
+    # "KV write" and "rotary" rows, which it calls)
     ("engine.attention.cpu_backend", "CpuBackend.rotate_and_write", "attention: rotary + KV write"),
     ("engine.attention.cpu_backend", "CpuBackend.paged", "attention: local paged decode"),
     ("engine.attention.dcp_combine", "combine", "DCP combine (whole)"),

@@ -62,7 +62,7 @@ def measure(
                 continue  # the LM head only sees the last token of each prompt
             x = torch.randn(rows, k).to(dtype)
             times = {
-                "panels": best_ms([functools.partial(panel_linear, x, p, n) for p in panels], repeats),
+                "panels": best_ms([functools.partial(panel_linear, x, p, (n, k)) for p in panels], repeats),
                 "F.linear": best_ms([functools.partial(F.linear, x, w) for w in weights], repeats),
             }
             if packed is not None:

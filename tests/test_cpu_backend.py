@@ -292,3 +292,27 @@ def test_each_torch_install_gets_its_own_build(monkeypatch):
     here = cpu_kernels.build_name(isa)
     monkeypatch.setattr(torch, "__file__", "/another/venv/lib/python3.11/site-packages/torch/__init__.py")
     assert cpu_kernels.build_name(isa) != here
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"cache.dtype": "float16"}, {"cache.dtype": "bfloat16"}, {"model.dtype": "float16"}],
+    ids=["fp16-cache", "bf16-cache", "fp16-model"],
+)
+def test_a_narrower_cache_or_an_fp16_model_runs_on_both_cpu_backends(tmp_path, tiny_models, settings):
+    """A cache dtype other than the model's, and float16 (which the engine's kernels do not take: the cpu backend
+    falls back to the torch paths), run to the end on the cpu and torch backends with the same tokens; and a cache
+    narrower than the fp32 model changes no greedy token of HF's fp32 here."""
+    from engine import LLM, SamplingParams
+
+    folder = tiny_models("llama")
+    prompts = prompt_ids(3, [1, 17, 40], seed=4)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    tokens = {}
+    for backend in ("cpu", "torch"):
+        plan = write_plan(tmp_path, folder, {**settings, "attention.backend": backend}, name=f"{backend}.yaml")
+        with LLM(plan) as llm:
+            tokens[backend] = [out.token_ids for out in llm.generate(prompts, params)]
+    assert tokens["cpu"] == tokens["torch"]
+    if "cache.dtype" in settings:
+        assert tokens["cpu"] == [hf_greedy(folder, ids, 12)[0] for ids in prompts]

@@ -67,8 +67,8 @@ def _case(rows: int, n: int, k: int, dtype: torch.dtype, with_bias: bool, seed: 
 
 def _check(ops, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     """panel_linear against the exact (fp64) product and, in bf16, against F.linear's bf16 result."""
-    n = weight.shape[0]
-    out = ops.panel_linear(x, ops.pack_panels(weight), n, bias)
+    n, k = weight.shape
+    out = ops.panel_linear(x, ops.pack_panels(weight), n, k, bias)
     want = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
     assert out.dtype == x.dtype and out.shape == (x.shape[0], n)
     if x.dtype == torch.float32:
@@ -123,7 +123,7 @@ def test_panel_gemm_propagates_nan_and_inf_as_f_linear(avx512_ops, dtype):
     x[9, 10] = float("inf")
     x[11, 76] = float("-inf")
     weight[7, 0] = float("inf")  # column 7: x[:, 0] * inf
-    out = avx512_ops.panel_linear(x, avx512_ops.pack_panels(weight), 70, bias)
+    out = avx512_ops.panel_linear(x, avx512_ops.pack_panels(weight), 70, 77, bias)
     want = F.linear(x.double(), weight.double(), bias.double())
     assert torch.equal(out.isnan(), want.isnan()) and out[[2, 5]].isnan().all()
     infinite = want.isinf()
@@ -136,9 +136,14 @@ def test_panels_of_another_dtype_or_shape_are_refused(avx512_ops):
     weight = torch.randn(40, 77)
     x = torch.randn(3, 77).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="share a dtype"):
-        avx512_ops.panel_linear(x, avx512_ops.pack_panels(weight), 40)
+        avx512_ops.panel_linear(x, avx512_ops.pack_panels(weight), 40, 77)
     with pytest.raises(RuntimeError, match="panels from pack_panels"):
-        avx512_ops.panel_linear(x[:, :64], avx512_ops.pack_panels(weight.to(torch.bfloat16)), 40)
+        avx512_ops.panel_linear(x[:, :64], avx512_ops.pack_panels(weight.to(torch.bfloat16)), 40, 64)
+    # an odd k's pairs have the shape of k + 1's: x's width is checked against the weight's k, not the panels
+    with pytest.raises(RuntimeError, match=r"x \[m, k\] expected"):
+        avx512_ops.panel_linear(
+            torch.randn(3, 78).to(torch.bfloat16), avx512_ops.pack_panels(weight.to(torch.bfloat16)), 40, 77
+        )
 
 
 def test_engine_bf16_tokens_through_this_gemm_are_hf_bf16s(avx512_ops, tmp_path, tiny_models, monkeypatch):
@@ -146,9 +151,9 @@ def test_engine_bf16_tokens_through_this_gemm_are_hf_bf16s(avx512_ops, tmp_path,
     CPU lacks AVX512-BF16): greedy tokens are HF bf16's by the rule of tests/oracle.py."""
     calls = []
 
-    def panel_linear(x, panels, n, bias=None):
+    def panel_linear(x, panels, shape, bias=None):
         calls.append(x.shape[0])
-        return avx512_ops.panel_linear(x, panels, n, bias)
+        return avx512_ops.panel_linear(x, panels, *shape, bias)
 
     monkeypatch.setenv(BF16_GEMM_ENV, "panels")
     monkeypatch.setattr(cpu_gemm, "pack_panels", lambda weight: avx512_ops.pack_panels(weight.detach().contiguous()))

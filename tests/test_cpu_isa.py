@@ -166,10 +166,12 @@ def test_the_start_up_line_names_the_bf16_dot_product_kernel(monkeypatch):
     """What a rank prints: bf16 layers on the panel GEMM of an AVX512-BF16 build are named as its dot-product kernel."""
     monkeypatch.setattr(cpu_gemm, "detect", lambda: cpu_isa.CpuIsa("avx512", "avx512", ZEN4))
     backend = types.SimpleNamespace(kernels=True, name="cpu")
-    bf16 = cpu_gemm.cpu_paths_line(torch.bfloat16, {("panels", "panels"): 211}, backend)
+    bf16 = cpu_gemm.cpu_paths_line(torch.bfloat16, {("panels", "panels"): 211}, backend, torch.bfloat16)
     assert "bfloat16 linear layers: " in bf16 and "engine panel GEMM (AVX512-BF16 dot products) (211 layers)" in bf16
-    fp32 = cpu_gemm.cpu_paths_line(torch.float32, {("panels", "panels"): 211}, backend)
-    assert "engine panel GEMM (211 layers)" in fp32
+    fp32 = cpu_gemm.cpu_paths_line(torch.float32, {("panels", "panels"): 211}, backend, torch.float32)
+    assert "engine panel GEMM (211 layers)" in fp32 and fp32.endswith("decode attention: engine paged decode kernel")
+    fp16_cache = cpu_gemm.cpu_paths_line(torch.float32, {("panels", "panels"): 211}, backend, torch.float16)
+    assert fp16_cache.endswith("decode attention: torch backend's paths (the kernels take float32 / bfloat16)")
 
 
 def test_prefill_gemm_choices_per_level_and_dtype():
@@ -183,6 +185,19 @@ def test_prefill_gemm_choices_per_level_and_dtype():
     line = CpuPaths(avx512, "float32", True, "cpu").describe()
     assert f"GEMV for 1-2 rows, engine panel GEMM for more, oneDNN packed from {PREFILL_MIN_ROWS} rows;" in line
     assert f"from {PREFILL_MIN_ROWS} rows" not in CpuPaths(avx2, "float32", True, "cpu").describe()
+
+
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [("float32", "float16"), ("float16", None)])
+def test_plan_checks_say_float16_decode_runs_on_the_torch_paths(dtype, cache_dtype):
+    """The kernels take fp32 and bf16 only: the cpu backend decodes an fp16 model or cache on the torch paths."""
+    avx2 = cpu_isa.CpuIsa("avx2", "avx2", EPYC_AVX2)
+    line = CpuPaths(avx2, dtype, True, "cpu", cache_dtype=cache_dtype).describe()
+    assert line.endswith("decode attention: torch backend's paths (the kernels take float32 / bfloat16)")
+    assert (
+        CpuPaths(avx2, "float32", True, "cpu", cache_dtype="bfloat16")
+        .describe()
+        .endswith("decode attention: engine paged decode kernel")
+    )
 
 
 def _layer(weight: torch.Tensor) -> cpu_gemm.PackableLinear:
@@ -207,7 +222,7 @@ def test_panel_gemm_matches_exact_products(dtype, rows, with_bias):
     weight = torch.randn(333, 70, generator=g).to(dtype)  # odd sizes: a partial last panel, no vector-width k
     bias = torch.randn(333, generator=g).to(dtype) if with_bias else None
     x = torch.randn(rows, 70, generator=g).to(dtype)
-    out = cpu_kernels.panel_linear(x, cpu_kernels.pack_panels(weight), 333, bias)
+    out = cpu_kernels.panel_linear(x, cpu_kernels.pack_panels(weight), weight.shape, bias)
     want = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
     assert out.dtype == dtype and out.shape == (rows, 333)
     if dtype == torch.float32:
@@ -221,10 +236,10 @@ def test_panel_gemm_keeps_nan_and_takes_strided_weights():
     weight = torch.randn(70, 40).t()  # a [40, 70] view with strides (1, 40)
     x = torch.randn(5, 70).to(torch.bfloat16)
     x[2, 3] = float("nan")
-    out = cpu_kernels.panel_linear(x, cpu_kernels.pack_panels(weight.to(torch.bfloat16)), 40)
+    out = cpu_kernels.panel_linear(x, cpu_kernels.pack_panels(weight.to(torch.bfloat16)), weight.shape)
     assert out[2].isnan().all() and not out[[0, 1, 3, 4]].isnan().any()
     torch.testing.assert_close(
-        cpu_kernels.panel_linear(x.float()[:2], cpu_kernels.pack_panels(weight), 40), x.float()[:2] @ weight.T
+        cpu_kernels.panel_linear(x.float()[:2], cpu_kernels.pack_panels(weight), weight.shape), x.float()[:2] @ weight.T
     )
 
 
@@ -270,7 +285,7 @@ def test_rows_on_each_side_of_the_prefill_bound_take_their_gemm(dtype, with_bias
         direct = (
             cpu_gemm.packed_linear(x, packed, bias)
             if gemm == "onednn"
-            else cpu_kernels.panel_linear(x, packed, 200, bias)
+            else cpu_kernels.panel_linear(x, packed, (200, 72), bias)
         )
         assert torch.equal(out, direct), f"{rows} rows did not take {gemm}"
         want = torch.nn.functional.linear(x, weight, bias)

@@ -4,13 +4,21 @@ The KV store and single-query decode attention (`cpu_kernels.store_kv` / `paged_
 layers' cache views in place: no gathered copy of each sequence's keys and values per layer, and one
 op instead of a dozen. A layer that hands over its unrotated q, k and v heads gets rotary and the KV store
 in one op (`cpu_kernels.rotary_store_kv`). Prefill and multi-query context attention stay on the torch
-backend's paths, as does everything when the kernels cannot be built here (`cpu_kernels_available`).
+backend's paths, as does everything when the kernels cannot be built here (`cpu_kernels_available`) or
+the model or cache dtype is one they do not take (float16: `KERNEL_DTYPES`).
 """
 
 from __future__ import annotations
 
+import torch
+
 from engine.attention.torch_backend import TorchBackend
 from engine.kernels.cpu_kernels import KERNEL_DTYPES, cpu_kernels_available, paged_decode, rotary_store_kv, store_kv
+
+
+def _kernel_dtypes(new: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether the engine's kernels take this model dtype and this cache dtype."""
+    return new.dtype in KERNEL_DTYPES and cache.dtype in KERNEL_DTYPES
 
 
 class CpuBackend(TorchBackend):
@@ -20,19 +28,20 @@ class CpuBackend(TorchBackend):
         self.kernels = cpu_kernels_available()
 
     def write_cache(self, key, value, key_cache, value_cache, metadata) -> None:
-        if not self.kernels or key.device.type != "cpu":
+        if not self.kernels or key.device.type != "cpu" or not _kernel_dtypes(key, key_cache):
             return super().write_cache(key, value, key_cache, value_cache, metadata)
         for new, cache in ((key, key_cache), (value, value_cache)):
             if cache is not None:
                 store_kv(new, cache, metadata.slot_mapping)
 
     def rotate_and_write(self, qkv, rope, cos, sin, key_cache, value_cache, metadata):
-        if self.kernels and qkv.is_cpu and qkv.dtype in KERNEL_DTYPES and qkv.stride(-1) == 1:
+        fused = self.kernels and qkv.is_cpu and value_cache is not None and _kernel_dtypes(qkv, key_cache)
+        if fused and qkv.stride(-1) == 1:
             return rotary_store_kv(qkv, cos, sin, rope.interleaved, key_cache, value_cache, metadata.slot_mapping)
         return super().rotate_and_write(qkv, rope, cos, sin, key_cache, value_cache, metadata)
 
     def paged(self, q, key_cache, value_cache, value_dim, kv, scale):
-        if not self.kernels or not kv.one_query_each or q.device.type != "cpu":
+        if not self.kernels or not kv.one_query_each or q.device.type != "cpu" or not _kernel_dtypes(q, key_cache):
             return super().paged(q, key_cache, value_cache, value_dim, kv, scale)
         out, lse = paged_decode(q, key_cache, value_cache, kv.block_tables, kv.lens, scale, value_dim)
         return out, lse if kv.need_lse else None

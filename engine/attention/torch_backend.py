@@ -122,7 +122,8 @@ class TorchBackend(AttentionBackend):
         blocks, offsets = slots // block_size, slots % block_size
         for new, cache in ((key, key_cache), (value, value_cache)):
             if cache is not None:
-                _physical(cache)[blocks, :, offsets] = new if rows is None else new.index_select(0, rows)
+                mine = new if rows is None else new.index_select(0, rows)
+                _physical(cache)[blocks, :, offsets] = mine.to(cache.dtype)  # the cache may be narrower
 
     def prefill_new(self, q, k, v, prefill: PrefillNew, scale, need_lse):
         out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
@@ -158,8 +159,8 @@ class TorchBackend(AttentionBackend):
                 raise ValueError("the key and value caches must share one layout (engine.attention.kv_cache.allocate)")
             return flat.index_select(0, index).view(seqs, heads, -1, cache.shape[3])
 
-        keys = gather(key_cache)
-        values = keys[..., :value_dim] if value_cache is None else gather(value_cache)
+        keys = gather(key_cache).to(q.dtype)  # a narrower cache (cache.dtype) is read in the model's dtype
+        values = keys[..., :value_dim] if value_cache is None else gather(value_cache).to(q.dtype)
         group = q.shape[1] // heads
         if kv.one_query_each:
             folded = q.view(seqs, heads, group, -1)

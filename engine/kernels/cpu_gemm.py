@@ -29,6 +29,7 @@ from engine.kernels.cpu_paths import (
     GEMV_MAX_ROWS,
     KERNEL_DTYPE_NAMES,
     PREFILL_MIN_ROWS,
+    decode_path,
     describe_paths,
     gemm_choices,
     gemm_name,
@@ -133,7 +134,7 @@ def _first_packed(
 def _run(gemm: str, x: torch.Tensor, packed: torch.Tensor | None, weight: torch.Tensor, bias) -> torch.Tensor:
     """x @ weight.T (+ bias) on `gemm`, with `packed` the weight packed for it."""
     if gemm == "panels":
-        return panel_linear(x, packed, weight.shape[0], bias)
+        return panel_linear(x, packed, weight.shape, bias)
     if gemm == "onednn":
         return packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)
@@ -153,9 +154,9 @@ def _layer_counts(counts: collections.Counter[str], dtype: str) -> str:
     return ", ".join(f"{gemm_name(g, detect(), dtype)} ({n} layers)" for g, n in sorted(counts.items()))
 
 
-def cpu_paths_line(dtype: torch.dtype, gemms: dict[tuple[str, str], int], backend) -> str:
+def cpu_paths_line(dtype: torch.dtype, gemms: dict[tuple[str, str], int], backend, cache_dtype: torch.dtype) -> str:
     """What a CPU rank actually runs, for the start-up log: the ISA level, the loaded kernel build, the GEMMs
-    the linear layers took (from `pack_linears`), by row count, and the decode attention."""
+    the linear layers took (from `pack_linears`), by row count, and the decode attention (on a `cache_dtype` cache)."""
     name = str(dtype).removeprefix("torch.")
     batched, prefill = collections.Counter(), collections.Counter()
     for (gemm, prefill_gemm), n in gemms.items():
@@ -163,8 +164,8 @@ def cpu_paths_line(dtype: torch.dtype, gemms: dict[tuple[str, str], int], backen
         if prefill_gemm != gemm:
             prefill[prefill_gemm] += n
     taken = _layer_counts(batched, name) or GEMM_NAMES["torch"]
-    kernels = getattr(backend, "kernels", False)
-    decode = "engine paged decode kernel" if kernels else f"{backend.name} backend"
+    cache = str(cache_dtype).removeprefix("torch.")
+    decode = decode_path(getattr(backend, "kernels", False), backend.name, {name, cache})
     build = loaded_build() or "unavailable, torch's kernels"
     gemv = cpu_kernels_available() and name in KERNEL_DTYPE_NAMES
     return describe_paths(detect(), build, name, taken, gemv, decode, _layer_counts(prefill, name) or None)

@@ -106,9 +106,11 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.dcpctl.pack_panels(weight.detach().contiguous())
 
 
-def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) for any rows of a 2-D x, against `pack_panels(weight)` of a weight with n rows."""
-    return torch.ops.dcpctl.panel_linear(x, panels, n, bias)
+def panel_linear(
+    x: torch.Tensor, panels: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) for any rows of a 2-D x, against `pack_panels(weight)` of a weight of `shape` [n, k]."""
+    return torch.ops.dcpctl.panel_linear(x, panels, shape[0], shape[1], bias)
 
 
 def store_kv(new_kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:

@@ -74,6 +74,16 @@ def gemm_name(gemm: str, isa: CpuIsa, dtype: str) -> str:
     return GEMM_NAMES[gemm]
 
 
+def decode_path(kernels: bool, backend: str, dtypes: set[str]) -> str:
+    """How decode attention runs: the engine's kernel on the `cpu` backend where it takes the model's and the
+    cache's dtypes (`dtypes`), else the backend's (the `cpu` backend falls back to the torch backend's paths)."""
+    if not (kernels and backend == "cpu"):
+        return f"{backend} backend"
+    if dtypes <= set(KERNEL_DTYPE_NAMES):
+        return "engine paged decode kernel"
+    return "torch backend's paths (the kernels take float32 / bfloat16)"
+
+
 def describe_paths(
     isa: CpuIsa, kernels: str, dtype: str, gemms: str, gemv: bool, decode: str, prefill: str | None = None
 ) -> str:
@@ -96,6 +106,7 @@ class CpuPaths:
     kernels: bool
     backend: str
     bf16_gemm: str = "auto"  # DCPCTL_BF16_GEMM
+    cache_dtype: str | None = None  # the KV cache's, where it differs from the model's
 
     @property
     def gemm(self) -> str:
@@ -109,7 +120,7 @@ class CpuPaths:
         """What the plan will run here (the start-up line reports what actually loaded)."""
         build = f"{self.isa.build_variant} build" if self.kernels else "off (DCPCTL_CPU_KERNELS=0)"
         gemv = self.kernels and self.dtype in KERNEL_DTYPE_NAMES
-        decode = "engine paged decode kernel" if self.kernels and self.backend == "cpu" else f"{self.backend} backend"
+        decode = decode_path(self.kernels, self.backend, {self.dtype, self.cache_dtype or self.dtype})
         prefill = gemm_name(self.prefill_gemm, self.isa, self.dtype) if self.prefill_gemm != self.gemm else None
         gemm = gemm_name(self.gemm, self.isa, self.dtype)
         return describe_paths(self.isa, build, self.dtype, gemm, gemv, decode, prefill)

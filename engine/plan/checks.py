@@ -204,7 +204,7 @@ def _resolve_cpu_paths(problems: PlanProblems, res: ResolvedPlan) -> None:
     except UserError as exc:
         problems.error(BF16_GEMM_ENV, str(exc))
         return
-    res.cpu_paths = CpuPaths(isa, res.dtype, kernels_wanted(), res.backend, bf16_gemm)
+    res.cpu_paths = CpuPaths(isa, res.dtype, kernels_wanted(), res.backend, bf16_gemm, res.cache_dtype)
 
 
 def _resolve_cpu_comm(problems: PlanProblems, res: ResolvedPlan) -> None:

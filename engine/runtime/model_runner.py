@@ -69,8 +69,9 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous)
         load_checkpoint(self.model, folder, self.model.checkpoint_name_map)
-        gemms = pack_linears(self.model)
-        self.cpu_paths = cpu_paths_line(dtype, gemms, backend) if self.device.type == "cpu" else None
+        self.gemms = pack_linears(self.model)
+        self.dtype = dtype
+        self.cpu_paths: str | None = None  # the start-up line of a CPU rank, once its cache is allocated
         inline_module_attributes(self.model)
         self.model.eval()
         self.cache_layout: CacheLayout | None = None
@@ -83,6 +84,8 @@ class ModelRunner:
         layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
         first = layers[0]
         self.cache_layout = layout
+        if self.device.type == "cpu":
+            self.cpu_paths = cpu_paths_line(self.dtype, self.gemms, self.backend, layout.dtype)
         self.kv_cache, views = kv_cache.allocate(
             len(layers),
             layout.num_blocks,

@@ -2,7 +2,7 @@
 //   gemv          y = x @ w.T (+ bias) for a few rows, on the plain [n, k] weight. oneDNN's packed path reads
 //                 the weights at 50-65% of the memory bandwidth here, this row-streaming loop at ~90%
 //                 (benchmarks/gemv_roofline.py). Rows of w split over torch's intra-op threads.
-//   pack_panels   a [n, k] weight reordered once into panels of kPanel output columns, [n / kPanel, k, kPanel]
+//   pack_panels   a [n, k] weight reordered once into panels of kPanel output columns, [ceil(n / kPanel), k, kPanel]
 //                 (the last panel zero-padded), in the weight's own dtype. A bf16 panel row interleaves its two
 //                 vectors' columns (j, j + kLanes) in each 32-bit pair, so that widening them to fp32 is a shift
 //                 and a mask: no widening shuffles competing with the FMAs for the vector ports.
@@ -387,12 +387,13 @@ void panel_gemm(const X* xt, const RowBlocks& blocks, const W* panels, const flo
   });
 }
 
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2, "panel_linear: x [m, k] expected");
+// n, k: the packed weight's shape (bf16 pairs of an odd k and of k + 1 have one panel shape, so x's k is checked on it)
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, int64_t k,
+                        const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "panel_linear: x [m, k] expected for a [n, k] weight");
   check_weight(x, panels, "panel_linear");
   const at::ScalarType dtype = panels.scalar_type();
-  const int64_t m = x.size(0), k = x.size(1), steps = panel_steps(dtype, k);
-  // (bf16 pairs of an odd k and of k + 1 have one shape: the layers pair x with their own weight's panels)
+  const int64_t m = x.size(0), steps = panel_steps(dtype, k);
   TORCH_CHECK(panels.dim() == 3 && panels.size(0) == (n + kPanel - 1) / kPanel && panels.size(1) == steps &&
                   panels.size(2) == panel_width(dtype),
               "panel_linear: x [m, k] and panels from pack_panels of a [n, k] weight in this build expected");
@@ -424,7 +425,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
 TORCH_LIBRARY_FRAGMENT(DCPCTL_OPS, m) {
   m.def("gemv(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
   m.def("pack_panels(Tensor w) -> Tensor");
-  m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias=None) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor panels, int n, int k, Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(DCPCTL_OPS, CPU, m) {
