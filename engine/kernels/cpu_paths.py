@@ -51,10 +51,7 @@ def gemm_choices(isa: CpuIsa, dtype: str, kernels: bool, bf16_gemm: str = "auto"
     `bf16_gemm` (DCPCTL_BF16_GEMM) puts oneDNN or the panel GEMM first for bfloat16; `auto`: oneDNN where it packs."""
     if dtype not in KERNEL_DTYPE_NAMES:
         return ("torch",)
-    if dtype == "bfloat16" and bf16_gemm != "auto":
-        onednn_first = bf16_gemm == "onednn"
-    else:
-        onednn_first = dtype == "bfloat16" and isa.onednn_bf16
+    onednn_first = dtype == "bfloat16" and (isa.onednn_bf16 if bf16_gemm == "auto" else bf16_gemm == "onednn")
     choices = ("onednn", "panels") if onednn_first else ("panels", "onednn")
     return (*(c for c in choices if kernels or c != "panels"), "torch")
 

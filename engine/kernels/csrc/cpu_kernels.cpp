@@ -232,14 +232,13 @@ std::tuple<at::Tensor, at::Tensor> rotary_store_kv(const at::Tensor& qkv, const 
               "rotary_store_kv: qkv [tokens, q heads + 2 kv heads, dim] with a contiguous last dim expected");
   const int64_t tokens = qkv.size(0), dim = qkv.size(2);
   check_cache_view(key_cache, slots, tokens, "rotary_store_kv");
+  check_cache_view(value_cache, slots, tokens, "rotary_store_kv");
   const int64_t kv_heads = key_cache.size(2), rotated = qkv.size(1) - kv_heads, q_heads = rotated - kv_heads;
+  TORCH_CHECK(key_cache.size(3) == dim && value_cache.size(2) == kv_heads && value_cache.size(3) == dim &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "rotary_store_kv: key and value caches [blocks, B, Hkv, D] of one dtype expected");
   TORCH_CHECK(q_heads >= 0, "rotary_store_kv: qkv has fewer heads than twice the cache's");
   check_rotary_tables(cos, sin, tokens, dim, "rotary_store_kv");
-  for (const at::Tensor* cache : {&key_cache, &value_cache}) {
-    check_cache_view(*cache, slots, tokens, "rotary_store_kv");
-    TORCH_CHECK(cache->size(2) == kv_heads && cache->size(3) == dim && cache->scalar_type() == key_cache.scalar_type(),
-                "rotary_store_kv: key and value caches [blocks, B, Hkv, D] of one dtype expected");
-  }
   const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
   at::Tensor q_out = at::empty({tokens, q_heads, dim}, qkv.options());
   at::Tensor k_out = at::empty({tokens, kv_heads, dim}, qkv.options());
