@@ -94,29 +94,64 @@ def test_forcing_never_raises_the_level_and_typos_are_named(isa_view):
 
 
 def test_each_level_has_its_own_portable_build(isa_view):
-    """-march per level (never native), and the level in the cache key: a shared home never loads a build the CPU
-    cannot run, and levels do not rebuild over each other."""
+    """Each level's instruction sets (never native), and the level in the cache key: a shared home never loads a
+    build the CPU cannot run, and levels do not rebuild over each other."""
     levels = {
         level: cpu_isa.CpuIsa(level, "avx512", frozenset())
         for level in ("baseline", "avx2", "avx512")  # what a CPU of each level would build
     }
     flags = {level: cpu_kernels.build_flags(isa) for level, isa in levels.items()}
-    assert "-march=x86-64-v4" in flags["avx512"] and "-march=x86-64-v3" in flags["avx2"]
-    assert not any(f.startswith("-march") for f in flags["baseline"])
-    assert not any("native" in f for fs in flags.values() for f in fs)
+    assert {"-mavx512f", "-mavx512vl", "-mavx2", "-mfma"} <= set(flags["avx512"])
+    assert {"-mavx2", "-mfma", "-mf16c", "-mbmi2"} <= set(flags["avx2"]) and "-mavx512f" not in flags["avx2"]
+    assert flags["baseline"] == cpu_kernels.BASE_CFLAGS
+    assert not any("native" in f or f.startswith("-march") for fs in flags.values() for f in fs)
     names = {level: cpu_kernels.build_name(isa) for level, isa in levels.items()}
     assert len(set(names.values())) == 3
     assert "x86_64_v4" in names["avx512"] and "x86_64_v3" in names["avx2"] and "portable" in names["baseline"]
 
 
+@pytest.mark.parametrize("level", ["avx2", "avx512"])
+def test_target_flags_are_what_the_psabi_level_turns_on(level):
+    """The spelled-out flags (which GCC < 11 also knows) define exactly the ISA macros `-march=x86-64-vN` does."""
+    isa = cpu_isa.CpuIsa(level, level, frozenset())
+    compiler = cpu_kernels.compiler()
+
+    def macros(flags: list[str]) -> set[str]:
+        cmd = [compiler, "-x", "c++", "-dM", "-E", *flags, "-"]
+        run = subprocess.run(cmd, input="", capture_output=True, text=True)
+        if run.returncode:
+            return set()
+        return {line for line in run.stdout.splitlines() if line.startswith("#define __")}
+
+    by_level = macros([f"-march={isa.march}"])
+    if not by_level:
+        pytest.skip(f"{compiler} does not know -march={isa.march} (GCC < 11): nothing to compare with")
+    assert macros(isa.target_flags) == by_level
+
+
+def test_a_compiler_that_cannot_build_a_level_falls_back_to_the_next():
+    """The builds tried, best first: an AVX512-BF16 CPU's own, plain AVX-512, AVX2, portable; a lower level never
+    tries a higher one."""
+    zen4 = cpu_isa.CpuIsa("avx512", "avx512", ZEN4)
+    variants = [isa.build_variant for isa in zen4.kernel_builds()]
+    assert variants == ["x86-64-v4-avx512bf16", "x86-64-v4", "x86-64-v3", "portable"]
+    assert not any(isa.bf16_dot for isa in zen4.kernel_builds()[1:])
+    avx2 = cpu_isa.CpuIsa("avx2", "avx2", EPYC_AVX2)
+    assert [isa.build_variant for isa in avx2.kernel_builds()] == ["x86-64-v3", "portable"]
+    forced = cpu_isa.CpuIsa("avx2", "avx512", cpu_isa._visible_flags(ZEN4, "avx2"))
+    assert [isa.build_variant for isa in forced.kernel_builds()] == ["x86-64-v3", "portable"]
+    baseline = cpu_isa.CpuIsa("baseline", "baseline", frozenset())
+    assert [isa.build_variant for isa in baseline.kernel_builds()] == ["portable"]
+
+
 def test_avx512_bf16_cpus_get_a_build_of_their_own():
-    """gcc's x86-64-v4 lacks AVX512-BF16: a CPU with it builds with -mavx512bf16 under another name; one without it,
+    """x86-64-v4 lacks AVX512-BF16: a CPU with it builds with -mavx512bf16 under another name; one without it,
     or the same CPU forced to AVX2, never gets that build."""
     zen4 = cpu_isa.CpuIsa("avx512", "avx512", ZEN4)
     no_bf16 = cpu_isa.CpuIsa("avx512", "avx512", ZEN4 - {"avx512_bf16"})
     forced = cpu_isa.CpuIsa("avx2", "avx512", cpu_isa._visible_flags(ZEN4, "avx2"))
     assert zen4.bf16_dot and not no_bf16.bf16_dot and not forced.bf16_dot
-    assert cpu_kernels.build_flags(zen4)[-2:] == ["-march=x86-64-v4", "-mavx512bf16"]
+    assert cpu_kernels.build_flags(zen4)[-2:] == ["-mavx512vl", "-mavx512bf16"]
     assert "-mavx512bf16" not in cpu_kernels.build_flags(no_bf16) + cpu_kernels.build_flags(forced)
     assert cpu_kernels.build_name(zen4).startswith("dcpctl_cpu_kernels_x86_64_v4_avx512bf16_")
     assert cpu_kernels.build_name(no_bf16).startswith("dcpctl_cpu_kernels_x86_64_v4_")
@@ -163,11 +198,17 @@ def test_the_bf16_gemm_switch_puts_its_choice_first(monkeypatch):
 
 
 def test_the_start_up_line_names_the_bf16_dot_product_kernel(monkeypatch):
-    """What a rank prints: bf16 layers on the panel GEMM of an AVX512-BF16 build are named as its dot-product kernel."""
-    monkeypatch.setattr(cpu_gemm, "detect", lambda: cpu_isa.CpuIsa("avx512", "avx512", ZEN4))
+    """What a rank prints: bf16 layers on the panel GEMM of an AVX512-BF16 build are named as its dot-product kernel;
+    where the compiler could not make that build and the plain AVX-512 one loaded instead, they are not."""
+    zen4 = cpu_isa.CpuIsa("avx512", "avx512", ZEN4)
+    monkeypatch.setattr(cpu_gemm, "detect", lambda: zen4)
+    monkeypatch.setattr(cpu_gemm, "kernel_isa", lambda: zen4)
     backend = types.SimpleNamespace(kernels=True, name="cpu")
     bf16 = cpu_gemm.cpu_paths_line(torch.bfloat16, {("panels", "panels"): 211}, backend, torch.bfloat16)
     assert "bfloat16 linear layers: " in bf16 and "engine panel GEMM (AVX512-BF16 dot products) (211 layers)" in bf16
+    monkeypatch.setattr(cpu_gemm, "kernel_isa", lambda: zen4.kernel_builds()[1])
+    fallback = cpu_gemm.cpu_paths_line(torch.bfloat16, {("panels", "panels"): 211}, backend, torch.bfloat16)
+    assert "bfloat16 linear layers: GEMV for 1-2 rows, engine panel GEMM (211 layers)" in fallback
     fp32 = cpu_gemm.cpu_paths_line(torch.float32, {("panels", "panels"): 211}, backend, torch.float32)
     assert "engine panel GEMM (211 layers)" in fp32 and fp32.endswith("decode attention: engine paged decode kernel")
     fp16_cache = cpu_gemm.cpu_paths_line(torch.float32, {("panels", "panels"): 211}, backend, torch.float16)

@@ -23,7 +23,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.cpu_isa import detect
-from engine.kernels.cpu_kernels import cpu_kernels_available, gemv, loaded_build, pack_panels, panel_linear
+from engine.kernels.cpu_kernels import (
+    cpu_kernels_available,
+    gemv,
+    kernel_isa,
+    loaded_build,
+    pack_panels,
+    panel_linear,
+)
 from engine.kernels.cpu_paths import (
     GEMM_NAMES,
     GEMV_MAX_ROWS,
@@ -151,7 +158,8 @@ def pack_linears(model: nn.Module) -> dict[tuple[str, str], int]:
 
 
 def _layer_counts(counts: collections.Counter[str], dtype: str) -> str:
-    return ", ".join(f"{gemm_name(g, detect(), dtype)} ({n} layers)" for g, n in sorted(counts.items()))
+    isa = kernel_isa() or detect()  # the panel GEMM is the loaded build's
+    return ", ".join(f"{gemm_name(g, isa, dtype)} ({n} layers)" for g, n in sorted(counts.items()))
 
 
 def cpu_paths_line(dtype: torch.dtype, gemms: dict[tuple[str, str], int], backend, cache_dtype: torch.dtype) -> str:

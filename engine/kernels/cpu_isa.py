@@ -1,11 +1,12 @@
 """Which vector instructions this CPU lets the engine use: found once per process, asked by every kernel-path choice.
 
-Levels, lowest first: `baseline` (no `-march`: what the compiler targets by default, any CPU), `avx2`
+Levels, lowest first: `baseline` (no target flags: what the compiler targets by default, any CPU), `avx2`
 (x86-64-v3: AVX2, FMA, F16C, BMI, ...), `avx512` (x86-64-v4: AVX-512 F/BW/CD/DQ/VL). The engine's C++
-kernels are built per level (`march_flags`; an AVX-512 CPU with AVX512-BF16 gets a build of its own with the bf16
-dot-product instructions, `bf16_dot`), and oneDNN's bfloat16 packing is only chosen where torch's oneDNN can run
-it (`onednn_bf16`). `DCPCTL_CPU_ISA=avx2` (or `baseline`) makes the CPU report less than it has,
-so that a machine with AVX-512 runs, and tests, what an AVX2-only CPU runs; `torch_isa_env` gives the
+kernels are built per level (`target_flags`; an AVX-512 CPU with AVX512-BF16 gets a build of its own with the bf16
+dot-product instructions, `bf16_dot`), where a compiler cannot build one, the next lower (`kernel_builds`), and
+oneDNN's bfloat16 packing is only chosen where torch's oneDNN can run it (`onednn_bf16`). `DCPCTL_CPU_ISA=avx2`
+(or `baseline`) makes the CPU report less than it has, so that a machine with AVX-512 runs, and tests, what an
+AVX2-only CPU runs; `torch_isa_env` gives the
 variables that cap torch's and oneDNN's own kernels the same way (they must be set before torch's first
 CPU op, so `engine/__init__.py` sets them at import). No torch import here: plan checks use this module.
 """
@@ -35,6 +36,14 @@ _LEVEL_FLAGS = {
     "avx512": _names("avx512f avx512bw avx512cd avx512dq avx512vl"),
 }
 _MARCH = {"baseline": None, "avx2": "x86-64-v3", "avx512": "x86-64-v4"}
+# the compiler flags of each level's instructions on top of the one below: what `-march=x86-64-v3` / `-v4` turn on
+# (the same machine code with GCC 12), spelled out because only GCC 11+ and clang 12+ know those level names
+_TARGET_FLAGS = {
+    "baseline": "",
+    "avx2": "-mcx16 -msahf -mpopcnt -msse3 -msse4.1 -msse4.2 -mssse3 "
+    "-mavx -mavx2 -mbmi -mbmi2 -mf16c -mfma -mlzcnt -mmovbe -mxsave",
+    "avx512": "-mavx512f -mavx512bw -mavx512cd -mavx512dq -mavx512vl",
+}
 # what torch's oneDNN and ATen dispatch may use at each level (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY)
 _TORCH_CAPS = {"baseline": ("SSE41", "default"), "avx2": ("AVX2", "avx2"), "avx512": ("AVX512_CORE", "avx512")}
 
@@ -54,7 +63,7 @@ class CpuIsa:
 
     @property
     def march(self) -> str | None:
-        """The `-march` the engine's C++ kernels are built with at this level (None: the compiler's default)."""
+        """The x86-64 psABI level the engine's C++ kernels target at this level (None: the compiler's default)."""
         return _MARCH[self.level]
 
     @property
@@ -64,10 +73,11 @@ class CpuIsa:
         return self.level == "avx512" and "avx512_bf16" in self.flags
 
     @property
-    def march_flags(self) -> list[str]:
-        """The compiler's target flags of this level's kernel build (never `-march=native`)."""
-        march = [f"-march={self.march}"] if self.march else []
-        return march + (["-mavx512bf16"] if self.bf16_dot else [])
+    def target_flags(self) -> list[str]:
+        """The compiler's target flags of this level's kernel build: its instruction sets (never `-march=native`)."""
+        levels = LEVELS[: LEVELS.index(self.level) + 1]
+        flags = [flag for level in levels for flag in _TARGET_FLAGS[level].split()]
+        return flags + (["-mavx512bf16"] if self.bf16_dot else [])
 
     @property
     def build_variant(self) -> str:
@@ -78,6 +88,13 @@ class CpuIsa:
     def onednn_bf16(self) -> bool:
         """Whether torch's oneDNN packs bfloat16 weights here: it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT."""
         return self.level == "avx512" or "avx_ne_convert" in self.flags
+
+    def kernel_builds(self) -> list[CpuIsa]:
+        """The kernel builds to try, best first: this level's, then (where a compiler cannot build it) each lower
+        level's; an AVX512-BF16 build falls back to the plain AVX-512 one first."""
+        below = [CpuIsa(level, self.detected, _visible_flags(self.flags, level)) for level in LEVELS]
+        builds = [self, *reversed(below[: LEVELS.index(self.level) + 1])]
+        return [isa for i, isa in enumerate(builds) if isa.build_variant not in {b.build_variant for b in builds[:i]}]
 
     def describe(self) -> str:
         """One line: the level, bf16 dot-product support, and whether it was forced."""

@@ -3,11 +3,15 @@
 torch's cpp_extension compiles the sources once per ISA level (~20 s with gcc on 2 cores; scripts/setup.sh
 does it at install) into `~/.cache/dcpctl/kernels` and registers the ops as `torch.ops.dcpctl.*`;
 later processes load the cached library in milliseconds. The build targets the level `engine.kernels.cpu_isa`
-reports (`-march=x86-64-v4` for AVX-512, plus `-mavx512bf16` where the CPU has AVX512-BF16, `x86-64-v3` for
-AVX2, no `-march` on other CPUs), never `-march=native`, and the build variant names the cached build: a home
-directory shared between machines with different CPUs keeps one build per variant and never loads one the CPU
-cannot run. Where it cannot be built (no C++ compiler) the engine runs on torch's own kernels and a one-line
-warning says why; `DCPCTL_CPU_KERNELS=0` opts out (the baseline of benchmarks/decode_throughput.py).
+reports (x86-64-v4's instruction sets for AVX-512, plus AVX512-BF16 where the CPU has it, x86-64-v3's for AVX2,
+none on other CPUs: `CpuIsa.target_flags`), never `-march=native`, and the build variant and the compiler name the
+cached build: a home directory shared between machines with different CPUs keeps one build per variant and never
+loads one the CPU cannot run. GCC 11 and 12 build every level (tests/test_cpu_compilers.py); clang's builds do not
+load (its OpenMP calls are libomp's, torch's runtime is libgomp), and the engine says so and uses torch's. Where the
+compiler cannot build the CPU's level, the next lower one that builds is loaded, with a one-line warning (the
+portable build computes SiLU with std::exp, not with the vector exp of torch's own kernels: bits may differ from
+torch's there); where none builds (no C++ compiler) the engine runs on torch's own kernels and a one-line warning
+says why; `DCPCTL_CPU_KERNELS=0` opts out (the baseline of benchmarks/decode_throughput.py).
 """
 
 from __future__ import annotations
@@ -34,13 +38,28 @@ _log = logging.getLogger(__name__)
 
 def build_flags(isa: CpuIsa) -> list[str]:
     """Compiler flags of the build for `isa`'s level."""
-    return BASE_CFLAGS + isa.march_flags
+    return BASE_CFLAGS + isa.target_flags
+
+
+def compiler() -> str:
+    """The C++ compiler torch's cpp_extension runs: $CXX, else `c++`."""
+    return os.environ.get("CXX", "c++")
+
+
+def compiler_problem() -> str | None:
+    """Why no build can run here (no compiler on PATH), in one line; None when there is a compiler."""
+    if shutil.which(compiler()) is None:
+        return f"no C++ compiler {compiler()!r} on PATH; install g++ or set CXX"
+    return None
 
 
 def build_name(isa: CpuIsa, library: str = "dcpctl_cpu_kernels") -> str:
-    """The cached build's name: the library, the ISA level's variant, then a short hash of the sources' flags and
+    """The cached build's name: the library, the ISA level's variant, then a short hash of the sources' flags, the
+    compiler (the file it resolves to: a build another compiler failed or made is never taken for this one's) and
     the torch install it links against (a second venv sharing the cache would otherwise rebuild it at every switch)."""
-    key = f"{' '.join(build_flags(isa))}|{torch.__version__}|{torch.__file__}"
+    found = shutil.which(compiler())
+    key = f"{' '.join(build_flags(isa))}|{os.path.realpath(found) if found else compiler()}"
+    key += f"|{torch.__version__}|{torch.__file__}"
     return f"{library}_{isa.build_variant.replace('-', '_')}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
 
 
@@ -53,9 +72,8 @@ def build_kernels(sources: tuple[Path, ...], name: str, cflags: list[str]) -> st
     """Compile (or load the cached build of) `sources` as torch ops; None when loaded, else why not, in one line."""
     from torch.utils.cpp_extension import load
 
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        return f"no C++ compiler {compiler!r} on PATH; install g++ or set CXX"
+    if problem := compiler_problem():
+        return problem
     build_dir = kernels_dir() / name
     build_dir.mkdir(parents=True, exist_ok=True)
     lock = build_dir / "lock"
@@ -69,26 +87,54 @@ def build_kernels(sources: tuple[Path, ...], name: str, cflags: list[str]) -> st
         paths = [str(source) for source in sources]
         load(name, sources=paths, extra_cflags=cflags, build_directory=str(build_dir), is_python_module=False)
     except (OSError, RuntimeError, ImportError) as exc:
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(": [")[0]
+        if exc.__cause__ is not None:  # a library that built but does not load: the loader's reason, after its path
+            reason = (str(exc.__cause__).strip().splitlines() or [""])[0].split(": ", 1)[-1]
+            first_line += f" ({reason})"
         log = build_dir / "error.log"
-        log.write_text(f"{exc}\n")
-        return f"{first_line.split(': [')[0]}; the compiler's output: {log}"
+        log.write_text(f"{exc}\n{exc.__cause__ or ''}\n")
+        return f"{first_line}; the compiler's output: {log}"
     return None
 
 
+def build_for_cpu(sources: tuple[Path, ...], library: str) -> tuple[CpuIsa | None, str]:
+    """Build (or load the cached build of) `sources` for this process's ISA level, else for the next lower level
+    the compiler can build (`CpuIsa.kernel_builds`; a fallback is logged in one line): (the level the loaded build
+    targets, its name), or (None, why no build loaded, in one line)."""
+    if problem := compiler_problem():
+        return None, problem
+    failed: list[str] = []
+    for isa in detect().kernel_builds():
+        name = build_name(isa, library)
+        problem = build_kernels(sources, name, build_flags(isa))
+        if problem is None:
+            if failed:
+                _log.warning("%s: %s; loaded the %s build", library, "; ".join(failed), isa.build_variant)
+            return isa, name
+        failed.append(f"the {isa.build_variant} build failed: {problem}")
+    return None, "; ".join(failed)
+
+
 @functools.cache
+def _loaded() -> tuple[CpuIsa | None, str | None]:
+    if not kernels_wanted():
+        return None, None
+    isa, outcome = build_for_cpu(SOURCES, "dcpctl_cpu_kernels")
+    if isa is None:
+        _log.warning("dcpctl CPU kernels unavailable, using torch's (%s)", outcome)
+        return None, None
+    return isa, outcome
+
+
 def loaded_build() -> str | None:
     """Build (first time) and load the kernels for this process's ISA level: the build's name, or None, with a
     warning, where that is not possible. One build per process: its ops are registered under one name."""
-    if not kernels_wanted():
-        return None
-    isa = detect()
-    name = build_name(isa)
-    problem = build_kernels(SOURCES, name, build_flags(isa))
-    if problem:
-        _log.warning("dcpctl CPU kernels unavailable, using torch's (%s)", problem)
-        return None
-    return name
+    return _loaded()[1]
+
+
+def kernel_isa() -> CpuIsa | None:
+    """The level the loaded kernel build targets: the process's, or a lower one its compiler could build."""
+    return _loaded()[0]
 
 
 def cpu_kernels_available() -> bool:

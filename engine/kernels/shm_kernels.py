@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 
 from engine.kernels.cpu_isa import detect
-from engine.kernels.cpu_kernels import build_flags, build_kernels, build_name
+from engine.kernels.cpu_kernels import build_for_cpu
 
 SOURCES = (Path(__file__).with_name("csrc") / "shm_comm.cpp",)
 LIBRARY = "dcpctl_shm_comm"
@@ -20,9 +20,10 @@ _log = logging.getLogger(__name__)
 
 @functools.cache
 def build_problem() -> str | None:
-    """Build (first time) and load the collective kernels: None when loaded, else why not, in one line."""
-    isa = detect()
-    return build_kernels(SOURCES, build_name(isa, LIBRARY), build_flags(isa))
+    """Build (first time) and load the collective kernels (for the highest level the compiler builds): None when
+    loaded, else why not, in one line."""
+    isa, outcome = build_for_cpu(SOURCES, LIBRARY)
+    return None if isa else outcome
 
 
 if __name__ == "__main__":  # scripts/setup.sh: build now rather than at the first shared-memory run

@@ -343,7 +343,22 @@ inline float exp_nonpositive(float x) {
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
 constexpr int64_t kVec = 16;
+
+// The lanes of two vectors of one type picked by constant indices (0 .. 2 x lanes - 1): __builtin_shufflevector
+// where the compiler has it (clang, GCC 12+), else GCC's __builtin_shuffle (GCC 11, Ubuntu 22.04's, and older),
+// which takes the indices as a vector of `Index`, integers of the lanes' size; both compile to the same shuffles.
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define DCPCTL_SHUFFLEVECTOR
+#endif
+#endif
+#if defined(DCPCTL_SHUFFLEVECTOR)
+#define SHUFFLE(Index, a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(Index, a, b, ...) __builtin_shuffle(a, b, Index{__VA_ARGS__})
+#endif
 // The vector path of paged_decode is measured on AVX-512 only (where 16 lanes are one register); AVX2 and portable
 // builds keep the scalar loops, as before it.
 #if defined(__AVX512F__)
@@ -392,16 +407,16 @@ inline v16 vfma16(v16 a, v16 b, v16 c) {
 inline v16 lane_sums16(const v16* v) {
   v16 c[8], d[4], e[2];
   for (int i = 0; i < 8; ++i)  // c[i]: lanes 0-7 sum to v[2i]'s total, lanes 8-15 to v[2i + 1]'s
-    c[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    c[i] = SHUFFLE(v16i, v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUFFLE(v16i, v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   for (int i = 0; i < 4; ++i)  // d[i]: four groups of 4 lanes, for v[4i] .. v[4i + 3]
-    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    d[i] = SHUFFLE(v16i, c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           SHUFFLE(v16i, c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
   for (int i = 0; i < 2; ++i)  // e[i]: eight pairs of lanes, for v[8i] .. v[8i + 7]
-    e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    e[i] = SHUFFLE(v16i, d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           SHUFFLE(v16i, d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return SHUFFLE(v16i, e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         SHUFFLE(v16i, e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 // Eight fp32 lanes: one AVX2 register. The AVX2 decode path (kVectorDecode8) and, in every build, argmax_row.
@@ -487,13 +502,13 @@ inline v8 vfma8(v8 a, v8 b, v8 c) {  // a * b + c with one rounding
 inline v8 lane_sums8(const v8* v) {
   v8 c[4], d[2];
   for (int i = 0; i < 4; ++i)  // c[i]: lanes 0-3 sum to v[i]'s total, lanes 4-7 to v[i + 4]'s
-    c[i] = __builtin_shufflevector(v[i], v[i + 4], 0, 1, 2, 3, 8, 9, 10, 11) +
-           __builtin_shufflevector(v[i], v[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    c[i] = SHUFFLE(v8i, v[i], v[i + 4], 0, 1, 2, 3, 8, 9, 10, 11) +
+           SHUFFLE(v8i, v[i], v[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
   for (int i = 0; i < 2; ++i)  // d[i]: pairs of lanes for v[2i], v[2i + 1], v[2i + 4], v[2i + 5]
-    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-  return __builtin_shufflevector(d[0], d[1], 0, 2, 8, 10, 4, 6, 12, 14) +
-         __builtin_shufflevector(d[0], d[1], 1, 3, 9, 11, 5, 7, 13, 15);
+    d[i] = SHUFFLE(v8i, c[2 * i], c[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           SHUFFLE(v8i, c[2 * i], c[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return SHUFFLE(v8i, d[0], d[1], 0, 2, 8, 10, 4, 6, 12, 14) +
+         SHUFFLE(v8i, d[0], d[1], 1, 3, 9, 11, 5, 7, 13, 15);
 }
 
 // The AVX2 path's value sums of one block of tokens for `Heads` query heads at once, over all dims in slices of
