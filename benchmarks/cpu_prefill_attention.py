@@ -8,6 +8,13 @@ prefill step. The inputs are what a layer hands `prefill_new`: q and k contiguou
 slice of one [T, Hq + 2 Hkv, D] projection. `old` is `TorchBackend.prefill_new` (a CPU flash call per prompt, K/V
 repeated for GQA), `new` the kernel; they alternate call by call, one warm-up each, and each figure is the best (and
 median) of `--repeats` calls, in ms per layer. Prints one JSON line per shape and dtype.
+
+    GOMP_CPU_AFFINITY="0 1" .venv/bin/python benchmarks/cpu_prefill_attention.py --model [--torch-prefill]
+        [--prompts 16] [--prompt-len 128] [--dtype float32] [--repeats 5]
+
+`--model`: the whole prefill instead, SmolLM2-135M-Instruct (plans/cpu/smollm2_tp1_dcp1.yaml) prefilling `--prompts`
+seeded random prompts of `--prompt-len` tokens in one step (`LLM.generate`, 1 greedy new token), best of `--repeats`
+after a warm-up; `--torch-prefill` runs the torch backend's prefill attention (the path before the kernel) instead.
 """
 
 from __future__ import annotations
@@ -67,6 +74,34 @@ def compare(prompts: int, tokens: int, args: argparse.Namespace, dtype: torch.dt
     }
 
 
+def whole_prefill(args: argparse.Namespace) -> dict[str, float | str]:
+    """Best-of-`repeats` seconds of one prefill step of the model (with the kernel, or the torch backend's path)."""
+    from engine.attention.cpu_backend import CpuBackend
+    from engine.core.sequence import SamplingParams
+    from engine.llm import LLM
+
+    if args.torch_prefill:
+        CpuBackend.prefill_new = TorchBackend.prefill_new  # type: ignore[method-assign]
+    llm = LLM("plans/cpu/smollm2_tp1_dcp1.yaml", [f"model.dtype={args.dtype}"])
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(100, 40000, (args.prompts, args.prompt_len), generator=g).tolist()
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    llm.generate(prompts, params)  # the warm-up
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        times.append(time.perf_counter() - start)
+    path = "torch" if args.torch_prefill else "kernel"
+    return {
+        "prefill": f"{args.prompts}x{args.prompt_len}",
+        "dtype": args.dtype,
+        "attention": path,
+        "best_s": round(min(times), 4),
+        "median_s": round(statistics.median(times), 4),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["16x128", "4x512", "1x1024"])
@@ -74,11 +109,19 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=20, help="timed calls (--model: timed prefills, use ~5)")
+    parser.add_argument("--model", action="store_true", help="time the whole model's prefill step instead")
+    parser.add_argument("--torch-prefill", action="store_true", help="--model: the torch backend's prefill attention")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--dtype", default="float32", help="--model: the model's dtype")
     args = parser.parse_args()
     assert cpu_kernels.cpu_kernels_available(), "the CPU kernels did not build"
     build = cpu_kernels.loaded_build()
     print(json.dumps({"isa": cpu_isa.detect().describe(), "build": build, "threads": torch.get_num_threads()}))
+    if args.model:
+        print(json.dumps(whole_prefill(args)))
+        return
     for shape in args.shapes:
         prompts, tokens = (int(x) for x in shape.split("x"))
         for name in args.dtypes:

@@ -902,7 +902,7 @@ constexpr int64_t kPrefillLanes = sizeof(PrefillVec) / sizeof(float);
 // accumulators + 3 operands in AVX2's 16 registers; 16 + 3 of AVX-512's 32.
 constexpr int64_t kPrefillRows = kPrefillLanes == 16 ? 8 : 6;
 constexpr int64_t kPrefillKeys = 64;        // keys per block: one packed key panel, the online softmax's step
-constexpr int64_t kPrefillQueryTokens = 16;  // query tokens per work item (x the GQA group: its rows)
+constexpr int64_t kPrefillQueryTokens = 32;  // query tokens per work item (x the GQA group: its rows)
 static_assert(kPrefillKeys % (2 * kPrefillLanes) == 0, "a key block is whole tiles of 2 vectors of keys");
 
 inline PrefillVec prefill_load(const float* p) {
