@@ -69,7 +69,7 @@ def check(out, lse, want_o, want_l, dtype) -> None:
     ],
 )
 def test_prefill_causal_matches_fp64_attention(dtype, heads, kv_heads, dk, dv):
-    """Prompts of 1 .. 300 tokens in one call (key blocks of 64 cut mid-prompt, items of 16 query tokens cut mid-
+    """Prompts of 1 .. 300 tokens in one call (key blocks of 64 cut mid-prompt, items of 32 query tokens cut mid-
     block), strided q, k and v; 1 and 2 threads give the same bits (the work split never changes an item's sums)."""
     q, k, v, cu = layer_inputs(LENGTHS, heads, kv_heads, dk, dv, dtype)
     scale = dk**-0.5
@@ -88,9 +88,10 @@ def test_prefill_causal_matches_fp64_attention(dtype, heads, kv_heads, dk, dv):
 @NEEDS_KERNELS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_causal_takes_mla_values_inside_the_keys(dtype):
-    """MLA (DeepSeek-V2): one latent KV head for all query heads, the values the first Dv dims of the keys."""
+    """MLA (DeepSeek-V2): one latent KV head for all 16 query heads (items of 6 query tokens: 96 rows), the values
+    the first Dv dims of the keys."""
     lengths = [5, 70, 1]
-    q, k, _, cu = layer_inputs(lengths, 4, 1, 40, 32, dtype, seed=3)
+    q, k, _, cu = layer_inputs(lengths, 16, 1, 40, 32, dtype, seed=3)
     v = k[..., :32]
     out, lse = cpu_kernels.prefill_causal(q, k, v, cu, 0.3)
     check(out, lse, *reference(q, k, v, lengths, 0.3), dtype)

@@ -887,7 +887,6 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
   return {out, lse};
 }
 
-
 // ---- prefill_causal: causal attention of the new tokens of each prompt, one op per layer ----
 
 // The vector prefill_causal computes in: one AVX-512 register where the build has AVX-512, else 8 lanes (one AVX2
@@ -902,7 +901,9 @@ constexpr int64_t kPrefillLanes = sizeof(PrefillVec) / sizeof(float);
 // accumulators + 3 operands in AVX2's 16 registers; 16 + 3 of AVX-512's 32.
 constexpr int64_t kPrefillRows = kPrefillLanes == 16 ? 8 : 6;
 constexpr int64_t kPrefillKeys = 64;        // keys per block: one packed key panel, the online softmax's step
-constexpr int64_t kPrefillQueryTokens = 32;  // query tokens per work item (x the GQA group: its rows)
+// Query rows per work item (its query tokens x the GQA group): 32 tokens at groups of 1-3, fewer for larger groups
+// (MLA: all the heads share one latent KV head), so that an item's rows, scores and sums stay in L2.
+constexpr int64_t kPrefillItemRows = 96, kPrefillMaxTokens = 32;
 static_assert(kPrefillKeys % (2 * kPrefillLanes) == 0, "a key block is whole tiles of 2 vectors of keys");
 
 inline PrefillVec prefill_load(const float* p) {
@@ -1066,7 +1067,7 @@ inline void prefill_pack_block(const T* k, int64_t k_token_stride, const T* v, i
 }
 
 // Causal attention within each prompt (tokens cu[p] .. cu[p+1]-1), GQA without repeating keys: work items are
-// (prompt, KV head, 16 query tokens), whose rows are the tokens x the group's query heads (token-major). Keys and
+// (prompt, KV head, up to 32 query tokens), whose rows are the tokens x the group's query heads (token-major). Keys and
 // values are packed once per layer (prefill_pack_block); an item walks its keys a block at a time: the scores of a
 // tile of rows x 2 vectors of keys in registers, an online softmax step per row (fp32), then P.V with a tile of rows x
 // 2 vectors of value dims in registers. Tiles past a tile's last causal key are skipped. The items are split over
@@ -1075,8 +1076,9 @@ template <typename T>
 void prefill_causal_heads(const T* q, const T* k, const T* v, const int64_t* cu, int64_t prompts,
                           std::array<int64_t, 2> q_strides, std::array<int64_t, 2> k_strides,
                           std::array<int64_t, 2> v_strides, T* out, float* lse, const PrefillShape& a) {
-  constexpr int64_t R = kPrefillRows, KB = kPrefillKeys, QT = kPrefillQueryTokens;
+  constexpr int64_t R = kPrefillRows, KB = kPrefillKeys;
   const int64_t group = a.heads / a.kv_heads, dk = a.dk, dv_pad = a.dv_pad;
+  const int64_t QT = std::clamp<int64_t>(kPrefillItemRows / group, 1, kPrefillMaxTokens);  // query tokens per item
   std::vector<int64_t> first_block(prompts + 1, 0);  // each prompt's first key block
   for (int64_t p = 0; p < prompts; ++p) first_block[p + 1] = first_block[p] + (cu[p + 1] - cu[p] + KB - 1) / KB;
   // every element the items read is written by the packing: no zero-filled allocation (megabytes per layer)
@@ -1109,8 +1111,8 @@ void prefill_causal_heads(const T* q, const T* k, const T* v, const int64_t* cu,
       }
   }
   const int64_t total = work_before.back();
-  const int64_t parts =
-      std::clamp<int64_t>(total * (dk + dv_pad) / kSerialElements, 1, std::min<int64_t>(at::get_num_threads(), items.size()));
+  const int64_t most = std::min<int64_t>(at::get_num_threads(), items.size());
+  const int64_t parts = std::clamp<int64_t>(total * (dk + dv_pad) / kSerialElements, 1, most);
   auto part_start = [&](int64_t part) {  // the first item whose work starts at or after the part's share
     return std::lower_bound(work_before.begin(), work_before.end() - 1, total * part / parts) - work_before.begin();
   };
@@ -1138,7 +1140,10 @@ void prefill_causal_heads(const T* q, const T* k, const T* v, const int64_t* cu,
         const int64_t block = item.head * a.total_blocks + first_block[item.prompt] + k0 / KB;
         // the keys row m may see in this block: through its own token (padding rows: as the last real row)
         auto visible = [&](int64_t m) { return item.first + std::min(m, rows - 1) / group + 1 - k0; };
-        auto score_keys = [&](int64_t m) { return (std::clamp<int64_t>(visible(m), 0, n_keys) + 2 * kPrefillLanes - 1) / (2 * kPrefillLanes) * (2 * kPrefillLanes); };
+        constexpr int64_t tile = 2 * kPrefillLanes;  // scores come in tiles of 2 vectors of keys
+        auto score_keys = [&](int64_t m) {
+          return (std::clamp<int64_t>(visible(m), 0, n_keys) + tile - 1) / tile * tile;
+        };
         prefill_scores(qf.data(), padded, dk, panels.get() + block * dk * KB, n_keys, scores.data(), score_keys);
         for (int64_t m = 0; m < rows; ++m)
           prefill_softmax_row(scores.data() + m * KB, std::min(visible(m), n_keys), n_keys, top[m], sum[m],
