@@ -3,9 +3,11 @@
 The KV store and single-query decode attention (`cpu_kernels.store_kv` / `paged_decode`) work on the
 layers' cache views in place: no gathered copy of each sequence's keys and values per layer, and one
 op instead of a dozen. A layer that hands over its unrotated q, k and v heads gets rotary and the KV store
-in one op (`cpu_kernels.rotary_store_kv`). Prefill and multi-query context attention stay on the torch
-backend's paths, as does everything when the kernels cannot be built here (`cpu_kernels_available`) or
-the model or cache dtype is one they do not take (float16: `KERNEL_DTYPES`).
+in one op (`cpu_kernels.rotary_store_kv`). A prefill's attention among its new tokens is one op per layer for all
+its prompts (`cpu_kernels.prefill_causal`: GQA without repeating keys, any head sizes, MLA's latent values included)
+instead of a CPU flash call per prompt. Multi-query context attention stays on the torch backend's path, as does
+everything when the kernels cannot be built here (`cpu_kernels_available`) or the model or cache dtype is one they
+do not take (float16: `KERNEL_DTYPES`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,14 @@ from __future__ import annotations
 import torch
 
 from engine.attention.torch_backend import TorchBackend
-from engine.kernels.cpu_kernels import KERNEL_DTYPES, cpu_kernels_available, paged_decode, rotary_store_kv, store_kv
+from engine.kernels.cpu_kernels import (
+    KERNEL_DTYPES,
+    cpu_kernels_available,
+    paged_decode,
+    prefill_causal,
+    rotary_store_kv,
+    store_kv,
+)
 
 
 def _kernel_dtypes(new: torch.Tensor, cache: torch.Tensor) -> bool:
@@ -39,6 +48,13 @@ class CpuBackend(TorchBackend):
         if fused and qkv.stride(-1) == 1:
             return rotary_store_kv(qkv, cos, sin, rope.interleaved, key_cache, value_cache, metadata.slot_mapping)
         return super().rotate_and_write(qkv, rope, cos, sin, key_cache, value_cache, metadata)
+
+    def prefill_new(self, q, k, v, prefill, scale, need_lse):
+        same = q.dtype in KERNEL_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
+        if not self.kernels or not q.is_cpu or not same or min(t.stride(-1) for t in (q, k, v)) != 1:
+            return super().prefill_new(q, k, v, prefill, scale, need_lse)
+        out, lse = prefill_causal(q, k, v, prefill.cu_seqlens, scale)
+        return out, lse if need_lse else None
 
     def paged(self, q, key_cache, value_cache, value_dim, kv, scale):
         if not self.kernels or not kv.one_query_each or q.device.type != "cpu" or not _kernel_dtypes(q, key_cache):

@@ -192,6 +192,15 @@ def paged_decode(
     return torch.ops.dcpctl.paged_decode(q, key_cache, value_cache, block_tables, lens, scale, value_dim)
 
 
+def prefill_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of each prompt's tokens (cu_seqlens [P + 1] int64) to themselves: q [T, H, Dk],
+    k [T, Hkv, Dk], v [T, Hkv, Dv] of one dtype (fp32/bf16; any strides but the last), each KV head read once for
+    its H / Hkv query heads; exact softmax in fp32. Returns out [T, H, Dv] (q's dtype) and lse [T, H] (fp32)."""
+    return torch.ops.dcpctl.prefill_causal(q, k, v, cu_seqlens, scale)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up] [rows, 2n] fp32/bf16 on CPU, with the bits of `F.silu(gate) * up`."""
     return torch.ops.dcpctl.silu_and_mul(x)

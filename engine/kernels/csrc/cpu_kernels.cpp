@@ -9,6 +9,8 @@
 //   rotary_store_kv  rotary of a layer's query and key heads and the store of its keys and values, in one op.
 //   paged_decode  one query per sequence against its paged keys/values: exact softmax in fp32,
 //                 returning the log-sum-exp per head (the DCP merge needs it).
+//   prefill_causal  causal attention of each prompt's new tokens to themselves (GQA without repeated keys), exact
+//                 softmax in fp32, with the log-sum-exp: one op per layer instead of a flash call per prompt.
 //   silu_and_mul  silu(gate) * up of [gate | up] rows in one pass, with torch's `F.silu(gate) * up` bits.
 //   argmax_rows   torch.argmax over the last dim of fp32 rows (greedy sampling's logits), vectorized.
 
@@ -28,9 +30,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -898,6 +902,321 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
   return {out, lse};
 }
 
+// ---- prefill_causal: causal attention of the new tokens of each prompt, one op per layer ----
+
+// The vector prefill_causal computes in: one AVX-512 register where the build has AVX-512, else 8 lanes (one AVX2
+// register; SSE/NEON builds split it). Any head size: the packed keys and values are padded with zeros.
+#if defined(__AVX512F__)
+using PrefillVec = v16;
+#else
+using PrefillVec = v8;
+#endif
+constexpr int64_t kPrefillLanes = sizeof(PrefillVec) / sizeof(float);
+// Query rows per register tile (x 2 vectors of keys for the scores, x 2 vectors of value dims for P.V): 12
+// accumulators + 3 operands in AVX2's 16 registers; 16 + 3 of AVX-512's 32.
+constexpr int64_t kPrefillRows = kPrefillLanes == 16 ? 8 : 6;
+constexpr int64_t kPrefillKeys = 64;        // keys per block: one packed key panel, the online softmax's step
+// Query rows per work item (its query tokens x the GQA group): 32 tokens at groups of 1-3, fewer for larger groups
+// (MLA: all the heads share one latent KV head), so that an item's rows, scores and sums stay in L2.
+constexpr int64_t kPrefillItemRows = 96, kPrefillMaxTokens = 32;
+static_assert(kPrefillKeys % (2 * kPrefillLanes) == 0, "a key block is whole tiles of 2 vectors of keys");
+
+inline PrefillVec prefill_load(const float* p) {
+  PrefillVec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void prefill_store(float* p, PrefillVec v) { std::memcpy(p, &v, sizeof(v)); }
+
+// s in every lane: one broadcast (`PrefillVec{} + s` is an add too: 0 + -0 is +0)
+inline PrefillVec prefill_splat(float s) {
+#if defined(__AVX512F__)
+  return _mm512_set1_ps(s);
+#elif defined(__AVX__)
+  return _mm256_set1_ps(s);
+#else
+  PrefillVec v;
+  for (int64_t i = 0; i < kPrefillLanes; ++i) v[i] = s;
+  return v;
+#endif
+}
+
+// a * b + c: one FMA where the build has the instruction; else a product and a sum (std::fma without the instruction
+// is a library call per lane)
+inline PrefillVec prefill_madd(PrefillVec a, PrefillVec b, PrefillVec c) {
+#if defined(__AVX512F__)
+  return vfma16(a, b, c);
+#elif defined(__FMA__)
+  return vfma8(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+struct PrefillShape {
+  int64_t tokens, heads, kv_heads, dk, dv;
+  int64_t dv_pad;        // dv rounded up to 2 vectors: the packed value rows and the accumulators
+  int64_t total_blocks;  // key blocks over all prompts (each prompt's keys start a block)
+  float scale;
+};
+
+// scores[m][t] = sum_d qf[m][d] * panel[d][t] for rows [0, rows) (whole tiles) and keys [0, keys) (whole tiles of 2
+// vectors), row tile by row tile; `visible(m)`: the keys row m's tile needs at most (later tiles are skipped).
+template <typename Visible>
+inline void prefill_scores(const float* qf, int64_t rows, int64_t dk, const float* panel, int64_t keys, float* scores,
+                           Visible visible) {
+  constexpr int64_t R = kPrefillRows, L = kPrefillLanes;
+  for (int64_t i0 = 0; i0 < rows; i0 += R) {
+    const int64_t tile_keys = std::min(keys, visible(i0 + R - 1));
+    for (int64_t t0 = 0; t0 < tile_keys; t0 += 2 * L) {
+      PrefillVec acc[R][2] = {};
+      const float* k = panel + t0;
+      for (int64_t d = 0; d < dk; ++d, k += kPrefillKeys) {
+        const PrefillVec k0 = prefill_load(k), k1 = prefill_load(k + L);
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < R; ++r) {
+          const PrefillVec b = prefill_splat(qf[(i0 + r) * dk + d]);
+          acc[r][0] = prefill_madd(b, k0, acc[r][0]);
+          acc[r][1] = prefill_madd(b, k1, acc[r][1]);
+        }
+      }
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < R; ++r) {
+        prefill_store(scores + (i0 + r) * kPrefillKeys + t0, acc[r][0]);
+        prefill_store(scores + (i0 + r) * kPrefillKeys + t0 + L, acc[r][1]);
+      }
+    }
+  }
+}
+
+// acc[m][:] += sum_j probs[m][j] * values[j][:] for rows [0, rows) (whole tiles) over dims in slices of 2 vectors,
+// the accumulators of a tile's slice in registers across the keys; `visible(m)`: as for prefill_scores.
+template <typename Visible>
+inline void prefill_values(const float* probs, int64_t rows, const float* values, int64_t keys, int64_t dv_pad,
+                           float* acc, Visible visible) {
+  constexpr int64_t R = kPrefillRows, L = kPrefillLanes;
+  for (int64_t i0 = 0; i0 < rows; i0 += R) {
+    const int64_t tile_keys = std::min(keys, visible(i0 + R - 1));
+    for (int64_t s = 0; s < dv_pad; s += 2 * L) {
+      PrefillVec sums[R][2];
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < R; ++r) {
+        sums[r][0] = prefill_load(acc + (i0 + r) * dv_pad + s);
+        sums[r][1] = prefill_load(acc + (i0 + r) * dv_pad + s + L);
+      }
+      const float* v = values + s;
+      for (int64_t j = 0; j < tile_keys; ++j, v += dv_pad) {
+        const PrefillVec v0 = prefill_load(v), v1 = prefill_load(v + L);
+#pragma GCC unroll 8
+        for (int64_t r = 0; r < R; ++r) {
+          const PrefillVec p = prefill_splat(probs[(i0 + r) * kPrefillKeys + j]);
+          sums[r][0] = prefill_madd(p, v0, sums[r][0]);
+          sums[r][1] = prefill_madd(p, v1, sums[r][1]);
+        }
+      }
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < R; ++r) {
+        prefill_store(acc + (i0 + r) * dv_pad + s, sums[r][0]);
+        prefill_store(acc + (i0 + r) * dv_pad + s + L, sums[r][1]);
+      }
+    }
+  }
+}
+
+// One row's online-softmax step over a key block: the scores of its first `visible` keys become exp(score - max) (the
+// rest 0, up to `keys`), the running max and sum move to the new max, and the row's accumulator is rescaled.
+inline void prefill_softmax_row(float* __restrict__ row, int64_t visible, int64_t keys, float& top, float& sum,
+                                float* __restrict__ acc, int64_t dv_pad) {
+  if (visible <= 0) {  // the whole block is after this row's token
+    std::fill(row, row + keys, 0.f);
+    return;
+  }
+  float block_top = row[0];
+  int64_t j = 0;
+  if (visible >= kVec8) {  // 8 lanes of maxima, then the rest one by one
+    v8 tops = vload8(row);
+    for (j = kVec8; j + kVec8 <= visible; j += kVec8) {
+      const v8 x = vload8(row + j);
+      tops = x > tops ? x : tops;
+    }
+    for (int64_t l = 0; l < kVec8; ++l) block_top = std::max(block_top, tops[l]);
+  }
+  for (; j < visible; ++j) block_top = std::max(block_top, row[j]);
+  const float next = std::max(top, block_top);
+  if (next > top) {  // exp(-inf) = 0 on the first block: the accumulator and sum are 0 there anyway
+    const float alpha = std::exp(top - next);
+    sum *= alpha;
+    for (int64_t i = 0; i < dv_pad; ++i) acc[i] *= alpha;
+    top = next;
+  }
+  v8 sums{};
+  for (j = 0; j + kVec8 <= visible; j += kVec8) {
+    const v8 e = exp_nonpositive8(vload8(row + j) - next);
+    std::memcpy(row + j, &e, sizeof(e));
+    sums += e;
+  }
+  float block_sum = 0.f;
+  for (; j < visible; ++j) {
+    row[j] = exp_nonpositive(row[j] - next);
+    block_sum += row[j];
+  }
+  for (int64_t l = 0; l < kVec8; ++l) block_sum += sums[l];
+  std::fill(row + visible, row + keys, 0.f);
+  sum += block_sum;
+}
+
+// Pack one key block of one prompt and KV head: keys transposed into a panel [dk][kPrefillKeys] of fp32 (zeros past
+// the prompt), and the block's value rows widened into [n][dv_pad] (zeros past dv).
+template <typename T>
+inline void prefill_pack_block(const T* k, int64_t k_token_stride, const T* v, int64_t v_token_stride, int64_t n,
+                               const PrefillShape& a, float* __restrict__ panel, float* __restrict__ values) {
+  for (int64_t j = 0; j < n; ++j, k += k_token_stride, v += v_token_stride) {
+    for (int64_t d = 0; d < a.dk; ++d) panel[d * kPrefillKeys + j] = to_float(k[d]);
+    float* row = values + j * a.dv_pad;
+    for (int64_t i = 0; i < a.dv; ++i) row[i] = to_float(v[i]);
+    std::fill(row + a.dv, row + a.dv_pad, 0.f);
+  }
+  if (n < kPrefillKeys)  // a prompt's last block: the scores of the keys past its end are computed (as 0), never used
+    for (int64_t d = 0; d < a.dk; ++d) std::fill(panel + d * kPrefillKeys + n, panel + (d + 1) * kPrefillKeys, 0.f);
+}
+
+// Causal attention within each prompt (tokens cu[p] .. cu[p+1]-1), GQA without repeating keys: work items are
+// (prompt, KV head, up to 32 query tokens), whose rows are the tokens x the group's query heads (token-major). Keys and
+// values are packed once per layer (prefill_pack_block); an item walks its keys a block at a time: the scores of a
+// tile of rows x 2 vectors of keys in registers, an online softmax step per row (fp32), then P.V with a tile of rows x
+// 2 vectors of value dims in registers. Tiles past a tile's last causal key are skipped. The items are split over
+// the threads by their work (rows x keys: later query tokens see more keys), in contiguous runs.
+template <typename T>
+void prefill_causal_heads(const T* q, const T* k, const T* v, const int64_t* cu, int64_t prompts,
+                          std::array<int64_t, 2> q_strides, std::array<int64_t, 2> k_strides,
+                          std::array<int64_t, 2> v_strides, T* out, float* lse, const PrefillShape& a) {
+  constexpr int64_t R = kPrefillRows, KB = kPrefillKeys;
+  const int64_t group = a.heads / a.kv_heads, dk = a.dk, dv_pad = a.dv_pad;
+  const int64_t QT = std::clamp<int64_t>(kPrefillItemRows / group, 1, kPrefillMaxTokens);  // query tokens per item
+  std::vector<int64_t> first_block(prompts + 1, 0);  // each prompt's first key block
+  for (int64_t p = 0; p < prompts; ++p) first_block[p + 1] = first_block[p] + (cu[p + 1] - cu[p] + KB - 1) / KB;
+  // every element the items read is written by the packing: no zero-filled allocation (megabytes per layer)
+  const std::unique_ptr<float[]> panels(new float[a.kv_heads * a.total_blocks * dk * KB]);
+  const std::unique_ptr<float[]> values(new float[a.kv_heads * a.total_blocks * KB * dv_pad]);
+  const int64_t pack_items = a.kv_heads * a.total_blocks;
+  at::parallel_for(0, pack_items, grain_for(KB * (dk + dv_pad)), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / a.total_blocks, block = item % a.total_blocks;
+      const int64_t p = std::upper_bound(first_block.begin(), first_block.end(), block) - first_block.begin() - 1;
+      const int64_t token = cu[p] + (block - first_block[p]) * KB, n = std::min(KB, cu[p + 1] - token);
+      prefill_pack_block(k + token * k_strides[0] + g * k_strides[1], k_strides[0],
+                         v + token * v_strides[0] + g * v_strides[1], v_strides[0], n, a, panels.get() + item * dk * KB,
+                         values.get() + item * KB * dv_pad);
+    }
+  });
+
+  struct Item {
+    int64_t prompt, head, first;  // first: the item's first query token within its prompt
+  };
+  std::vector<Item> items;
+  std::vector<int64_t> work_before{0};  // running sum of rows x keys
+  for (int64_t p = 0; p < prompts; ++p) {
+    const int64_t n = cu[p + 1] - cu[p];
+    for (int64_t g = 0; g < a.kv_heads; ++g)
+      for (int64_t first = 0; first < n; first += QT) {
+        const int64_t last = std::min(n, first + QT);
+        items.push_back({p, g, first});
+        work_before.push_back(work_before.back() + (last - first) * group * last);
+      }
+  }
+  const int64_t total = work_before.back();
+  const int64_t most = std::min<int64_t>(at::get_num_threads(), items.size());
+  const int64_t parts = std::clamp<int64_t>(total * (dk + dv_pad) / kSerialElements, 1, most);
+  auto part_start = [&](int64_t part) {  // the first item whose work starts at or after the part's share
+    return std::lower_bound(work_before.begin(), work_before.end() - 1, total * part / parts) - work_before.begin();
+  };
+
+  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
+    const int64_t max_rows = (QT * group + R - 1) / R * R;
+    std::vector<float> qf(max_rows * dk), scores(max_rows * KB), acc(max_rows * dv_pad), top(max_rows), sum(max_rows);
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    for (int64_t it = part_start(part_begin); it < part_start(part_end); ++it) {
+      const Item& item = items[it];
+      const int64_t start = cu[item.prompt], n = cu[item.prompt + 1] - start;
+      const int64_t tokens = std::min(QT, n - item.first), rows = tokens * group, padded = (rows + R - 1) / R * R;
+      const int64_t head0 = item.head * group;
+      for (int64_t m = 0; m < rows; ++m) {
+        const T* qr = q + (start + item.first + m / group) * q_strides[0] + (head0 + m % group) * q_strides[1];
+        for (int64_t d = 0; d < dk; ++d) qf[m * dk + d] = to_float(qr[d]) * a.scale;
+      }
+      std::fill(qf.begin() + rows * dk, qf.begin() + padded * dk, 0.f);  // the last tile's padding rows
+      std::fill(acc.begin(), acc.begin() + padded * dv_pad, 0.f);
+      std::fill(top.begin(), top.end(), neg_inf);
+      std::fill(sum.begin(), sum.end(), 0.f);
+      const int64_t keys_end = item.first + tokens;  // keys [0, keys_end) of the prompt
+      for (int64_t k0 = 0; k0 < keys_end; k0 += KB) {
+        const int64_t n_keys = std::min(KB, keys_end - k0);
+        const int64_t block = item.head * a.total_blocks + first_block[item.prompt] + k0 / KB;
+        // the keys row m may see in this block: through its own token (padding rows: as the last real row)
+        auto visible = [&](int64_t m) { return item.first + std::min(m, rows - 1) / group + 1 - k0; };
+        constexpr int64_t tile = 2 * kPrefillLanes;  // scores come in tiles of 2 vectors of keys
+        auto score_keys = [&](int64_t m) {
+          return (std::clamp<int64_t>(visible(m), 0, n_keys) + tile - 1) / tile * tile;
+        };
+        prefill_scores(qf.data(), padded, dk, panels.get() + block * dk * KB, n_keys, scores.data(), score_keys);
+        for (int64_t m = 0; m < rows; ++m)
+          prefill_softmax_row(scores.data() + m * KB, std::min(visible(m), n_keys), n_keys, top[m], sum[m],
+                              acc.data() + m * dv_pad, dv_pad);
+        for (int64_t m = rows; m < padded; ++m) std::fill(scores.data() + m * KB, scores.data() + m * KB + n_keys, 0.f);
+        auto value_keys = [&](int64_t m) { return std::clamp<int64_t>(visible(m), 0, n_keys); };
+        prefill_values(scores.data(), padded, values.get() + block * KB * dv_pad, n_keys, dv_pad, acc.data(),
+                       value_keys);
+      }
+      for (int64_t m = 0; m < rows; ++m) {
+        const int64_t token = start + item.first + m / group, head = head0 + m % group;
+        T* o = out + (token * a.heads + head) * a.dv;
+        const float inv = 1.f / sum[m];
+        for (int64_t i = 0; i < a.dv; ++i) o[i] = from_float<T>(acc[m * dv_pad + i] * inv);
+        lse[token * a.heads + head] = top[m] + std::log(sum[m]);
+      }
+    }
+  });
+}
+
+// q [T, H, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv] (one dtype, any strides but the last), cu_seqlens [P + 1] int64:
+// causal attention of each prompt's tokens to themselves. Returns out [T, H, Dv] (q's dtype) and lse [T, H] fp32.
+std::tuple<at::Tensor, at::Tensor> prefill_causal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  const at::Tensor& cu_seqlens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
+              "prefill_causal: q/k/v [tokens, heads, dim] with a contiguous last dim expected");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "prefill_causal: q, k and v of one dtype expected");
+  const int64_t tokens = q.size(0), heads = q.size(1), dk = q.size(2), kv_heads = k.size(1), dv = v.size(2);
+  TORCH_CHECK(k.size(0) == tokens && v.size(0) == tokens && k.size(2) == dk && v.size(1) == kv_heads && kv_heads > 0 &&
+                  heads % kv_heads == 0,
+              "prefill_causal: q [T, H, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv] with Hkv dividing H expected");
+  TORCH_CHECK(cu_seqlens.scalar_type() == at::kLong && cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 1,
+              "prefill_causal: int64 cu_seqlens [prompts + 1] expected");
+  const at::Tensor cu = cu_seqlens.contiguous();
+  const int64_t* c = cu.data_ptr<int64_t>();
+  const int64_t prompts = cu.numel() - 1;
+  TORCH_CHECK(c[0] == 0 && c[prompts] == tokens, "prefill_causal: cu_seqlens must run from 0 to the token count");
+  int64_t total_blocks = 0;
+  for (int64_t p = 0; p < prompts; ++p) {
+    TORCH_CHECK(c[p + 1] >= c[p], "prefill_causal: cu_seqlens must not decrease");
+    total_blocks += (c[p + 1] - c[p] + kPrefillKeys - 1) / kPrefillKeys;
+  }
+  at::Tensor out = at::empty({tokens, heads, dv}, q.options());
+  at::Tensor lse = at::empty({tokens, heads}, q.options().dtype(at::kFloat));
+  if (tokens == 0) return {out, lse};
+  const int64_t pair = 2 * kPrefillLanes;
+  const PrefillShape shape{tokens, heads, kv_heads, dk, dv, (dv + pair - 1) / pair * pair, total_blocks,
+                           static_cast<float>(scale)};
+  on_dtype(q, "prefill_causal", [&](auto tag) {
+    using T = decltype(tag);
+    prefill_causal_heads(q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), c, prompts,
+                         {q.stride(0), q.stride(1)}, {k.stride(0), k.stride(1)}, {v.stride(0), v.stride(1)},
+                         out.data_ptr<T>(), lse.data_ptr<float>(), shape);
+  });
+  return {out, lse};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dcpctl, m) {
@@ -910,6 +1229,7 @@ TORCH_LIBRARY(dcpctl, m) {
   m.def(
       "paged_decode(Tensor q, Tensor key_cache, Tensor? value_cache, Tensor block_tables, Tensor lens, float scale, "
       "int value_dim) -> (Tensor, Tensor)");
+  m.def("prefill_causal(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, float scale) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
 }
@@ -920,6 +1240,7 @@ TORCH_LIBRARY_IMPL(dcpctl, CPU, m) {
   m.impl("store_kv", &store_kv);
   m.impl("rotary_store_kv", &rotary_store_kv);
   m.impl("paged_decode", &paged_decode);
+  m.impl("prefill_causal", &prefill_causal);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
 }

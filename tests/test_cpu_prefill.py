@@ -1,0 +1,135 @@
+"""`cpu_kernels.prefill_causal`, the CPU backend's prefill attention of the new tokens, against fp64 causal attention.
+
+The kernel sums in its own order (a tile of keys in registers, an online softmax over blocks of 64 keys), so its bits
+differ from torch's CPU flash op: both are compared with an fp64 reference of the same (bf16: already rounded) inputs,
+fp32 outputs to 2e-5 absolute + 1e-4 relative, bf16 outputs to their rounding (1e-2), the fp32 log-sum-exp to 5e-5.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention.backend import PrefillNew
+from engine.attention.cpu_backend import CpuBackend
+from engine.attention.torch_backend import TorchBackend
+from engine.kernels import cpu_kernels
+
+NEEDS_KERNELS = pytest.mark.skipif(not cpu_kernels.cpu_kernels_available(), reason="the CPU kernels did not build here")
+LENGTHS = [1, 2, 7, 16, 33, 128, 300]
+
+
+def reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention within each prompt in fp64, K/V repeated for GQA: out [T, H, Dv], lse [T, H]."""
+    group = q.shape[1] // k.shape[1]
+    outs, lses, start = [], [], 0
+    for n in lengths:
+        qs, ks, vs = (t[start : start + n].double() for t in (q, k, v))
+        ks, vs = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
+        scores = torch.einsum("thd,shd->hts", qs, ks) * scale
+        scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        lse = torch.logsumexp(scores, -1)
+        outs.append(torch.einsum("hts,shd->thd", torch.exp(scores - lse[..., None]), vs))
+        lses.append(lse.T)
+        start += n
+    return torch.cat(outs), torch.cat(lses)
+
+
+def layer_inputs(
+    lengths: list[int], heads: int, kv_heads: int, dk: int, dv: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as strided views of one projection's output (as a layer hands them over), and cu_seqlens."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = sum(lengths)
+    qk = torch.randn(tokens, heads + kv_heads + 1, dk, generator=g).to(dtype)  # one spare head: strides not packed
+    v = torch.randn(tokens, kv_heads + 1, dv + 3, generator=g).to(dtype)[:, 1:, 3:]
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    return qk[:, :heads], qk[:, heads : heads + kv_heads], v, cu
+
+
+def check(out, lse, want_o, want_l, dtype) -> None:
+    tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want_o, **tol)
+    torch.testing.assert_close(lse.double(), want_l, atol=5e-5, rtol=1e-5)
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dk", "dv"),
+    [
+        (9, 3, 64, 64),  # SmolLM2: a group of 3
+        (8, 2, 128, 128),  # a group of 4, 128 dims
+        (4, 4, 64, 64),  # no GQA
+        (12, 3, 128, 128),
+        (5, 1, 40, 24),  # odd head sizes (padded to whole vectors), a group of 5
+    ],
+)
+def test_prefill_causal_matches_fp64_attention(dtype, heads, kv_heads, dk, dv):
+    """Prompts of 1 .. 300 tokens in one call (key blocks of 64 cut mid-prompt, items of 32 query tokens cut mid-
+    block), strided q, k and v; 1 and 2 threads give the same bits (the work split never changes an item's sums)."""
+    q, k, v, cu = layer_inputs(LENGTHS, heads, kv_heads, dk, dv, dtype)
+    scale = dk**-0.5
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernels.prefill_causal(q, k, v, cu, scale)
+        torch.set_num_threads(2)
+        out, lse = cpu_kernels.prefill_causal(q, k, v, cu, scale)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out, one[0]) and torch.equal(lse, one[1])
+    check(out, lse, *reference(q, k, v, LENGTHS, scale), dtype)
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_causal_takes_mla_values_inside_the_keys(dtype):
+    """MLA (DeepSeek-V2): one latent KV head for all 16 query heads (items of 6 query tokens: 96 rows), the values
+    the first Dv dims of the keys."""
+    lengths = [5, 70, 1]
+    q, k, _, cu = layer_inputs(lengths, 16, 1, 40, 32, dtype, seed=3)
+    v = k[..., :32]
+    out, lse = cpu_kernels.prefill_causal(q, k, v, cu, 0.3)
+    check(out, lse, *reference(q, k, v, lengths, 0.3), dtype)
+
+
+@NEEDS_KERNELS
+def test_prefill_causal_edges_and_errors():
+    """An empty prompt among others and an empty step; mixed dtypes and a strided last dim are refused."""
+    lengths = [3, 0, 17]
+    q, k, v, cu = layer_inputs(lengths, 6, 2, 64, 64, torch.float32, seed=5)
+    out, lse = cpu_kernels.prefill_causal(q, k, v, cu, 0.125)
+    check(out, lse, *reference(q, k, v, lengths, 0.125), torch.float32)
+    empty = cpu_kernels.prefill_causal(q[:0], k[:0], v[:0], torch.zeros(1, dtype=torch.long), 0.125)
+    assert empty[0].shape == (0, 6, 64) and empty[1].shape == (0, 6)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        cpu_kernels.prefill_causal(q, k.bfloat16(), v, cu, 0.125)
+    with pytest.raises(RuntimeError, match="contiguous last dim"):
+        cpu_kernels.prefill_causal(q.transpose(1, 2), k, v, cu, 0.125)
+    with pytest.raises(RuntimeError, match="cu_seqlens"):
+        cpu_kernels.prefill_causal(q, k, v, cu[:-1], 0.125)
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("need_lse", [True, False])
+def test_cpu_backend_prefill_uses_the_kernel_and_falls_back(need_lse):
+    """The CPU backend's prefill_new is the kernel (close to the torch backend's flash path); float16, which the
+    kernels do not take, runs the torch backend's path with the same results."""
+    lengths = [9, 40]
+    cpu, torch_backend = CpuBackend(), TorchBackend()
+    for dtype in (torch.float32, torch.float16):
+        q, k, v, cu = layer_inputs(lengths, 9, 3, 64, 64, dtype, seed=9)
+        prefill = PrefillNew(cu, lengths, max(lengths))
+        out, lse = cpu.prefill_new(q, k, v, prefill, 0.125, need_lse)
+        want_o, want_l = torch_backend.prefill_new(q, k, v, prefill, 0.125, need_lse)
+        if dtype == torch.float16:
+            assert torch.equal(out, want_o)
+        else:
+            torch.testing.assert_close(out, want_o, atol=2e-5, rtol=1e-4)
+        assert (lse is None) == (not need_lse)
+        if need_lse:
+            torch.testing.assert_close(lse, want_l, atol=5e-5, rtol=1e-5)
