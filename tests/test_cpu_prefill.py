@@ -133,3 +133,9 @@ def test_cpu_backend_prefill_uses_the_kernel_and_falls_back(need_lse):
         assert (lse is None) == (not need_lse)
         if need_lse:
             torch.testing.assert_close(lse, want_l, atol=5e-5, rtol=1e-5)
+    # keys whose last dim is not contiguous (q and v are): the torch backend's path, not the kernel's error
+    q, k, v, cu = layer_inputs(lengths, 9, 3, 64, 64, torch.float32, seed=9)
+    k_strided = torch.stack([k, k], dim=-1)[..., 0]
+    prefill = PrefillNew(cu, lengths, max(lengths))
+    out, _ = cpu.prefill_new(q, k_strided, v, prefill, 0.125, need_lse)
+    assert torch.equal(out, torch_backend.prefill_new(q, k_strided, v, prefill, 0.125, need_lse)[0])

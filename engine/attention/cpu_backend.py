@@ -51,7 +51,7 @@ class CpuBackend(TorchBackend):
 
     def prefill_new(self, q, k, v, prefill, scale, need_lse):
         same = q.dtype in KERNEL_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
-        if not self.kernels or not q.is_cpu or not same or min(t.stride(-1) for t in (q, k, v)) != 1:
+        if not self.kernels or not q.is_cpu or not same or any(t.stride(-1) != 1 for t in (q, k, v)):
             return super().prefill_new(q, k, v, prefill, scale, need_lse)
         out, lse = prefill_causal(q, k, v, prefill.cu_seqlens, scale)
         return out, lse if need_lse else None
