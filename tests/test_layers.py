@@ -89,19 +89,44 @@ def test_half_weights_are_not_packed():
     assert layer.packed is None and layer.gemm == "torch" and layer.gemv_rows == 0
 
 
-def test_inlined_attributes_are_the_modules_own_and_follow_reassignment():
+def test_streamlined_attributes_are_the_modules_own_and_follow_reassignment():
     from torch import nn
 
-    from engine.models.base import inline_module_attributes
+    from engine.models.base import streamline_modules
 
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
-    inline_module_attributes(model)
+    streamline_modules(model)
     first = model[0]
     assert first.__dict__["weight"] is first._parameters["weight"] and model.__dict__["0"] is first
     replacement = nn.Parameter(torch.zeros(4, 3))
     first.weight = replacement  # nn.Module.__setattr__ must win over the inlined entry
     assert first.weight is replacement and first._parameters["weight"] is replacement
     assert torch.equal(first(torch.ones(1, 3)), first.bias.detach().view(1, 4))
+
+
+def test_streamlined_calls_go_straight_to_forward_and_refuse_hooks():
+    """nn.Module.__call__ (where hooks run) is skipped: a global forward hook sees no call; per-module hooks are refused
+    with an error instead of being skipped silently; the class keeps its name and isinstance."""
+    from torch import nn
+    from torch.nn.modules.module import register_module_forward_hook
+
+    from engine.models.base import streamline_modules
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+    expected = model(torch.ones(2, 3))
+    streamline_modules(model)
+    seen = []
+    handle = register_module_forward_hook(lambda module, args, out: seen.append(type(module).__name__))
+    try:
+        assert torch.equal(model(torch.ones(2, 3)), expected)
+    finally:
+        handle.remove()
+    assert seen == []
+    assert isinstance(model[0], nn.Linear) and type(model[0]).__name__ == "Linear"
+    with pytest.raises(RuntimeError, match="Linear: the engine's modules call forward directly and run no hooks"):
+        model[0].register_forward_hook(lambda *a: None)
+    streamline_modules(model)  # twice: the same classes, not subclasses of subclasses
+    assert type(model[0]).__mro__[1] is nn.Linear
 
 
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v2"])

@@ -22,7 +22,7 @@ from engine.kv_transfer.handles import KVRole, PullReport
 from engine.kv_transfer.ranks import KVExporter, KVReceiver
 from engine.layers.attention import PagedAttention
 from engine.models import build_model
-from engine.models.base import inline_module_attributes
+from engine.models.base import streamline_modules
 from engine.models.loading import load_checkpoint
 from engine.runtime.step import ScheduledStep
 
@@ -72,7 +72,7 @@ class ModelRunner:
         self.gemms = pack_linears(self.model)
         self.dtype = dtype
         self.cpu_paths: str | None = None  # the start-up line of a CPU rank, once its cache is allocated
-        inline_module_attributes(self.model)
+        streamline_modules(self.model)
         self.model.eval()
         self.cache_layout: CacheLayout | None = None
         self.kv_cache: torch.Tensor | None = None
