@@ -4,5 +4,10 @@
 class UserError(Exception):
     """A problem with the user's input (a plan, a request, a model folder).
 
-    The message must say what is wrong and how to fix it; the CLI prints it as one line.
+    The message must say what is wrong and how to fix it; the CLI prints it as one line. `param` names the request
+    field it is about, where there is one (the server's errors carry it).
     """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param

@@ -160,6 +160,33 @@ def test_wrong_types_are_400(http):
     assert "prompt" in error_of(http.post("/tokenize", json={"prompt": ["a"]}))["message"]
 
 
+def test_text_that_is_not_valid_unicode_is_400_naming_the_field(http):
+    """JSON may spell a lone UTF-16 surrogate ("\\ud800"); no tokenizer (or UTF-8 encoder) can take it."""
+    lone = "ab\ud800"
+    cases = [
+        ("/v1/completions", {"prompt": lone}, "prompt", "prompt"),
+        ("/v1/completions", {"prompt": ["fine", lone]}, "prompt", "prompt.1"),
+        ("/v1/completions", {"prompt": "x", "stop": lone}, "stop", "stop"),
+        ("/v1/completions", {"prompt": "x", "stop": ["ok", "\udfff"]}, "stop", "stop.1"),
+        ("/tokenize", {"prompt": lone}, "prompt", "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": lone}]}, "messages", "messages.0.content"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": lone}]}]},
+            "messages",
+            "messages.0.content.0.text",
+        ),
+    ]
+    for path, body, param, where in cases:
+        error = error_of(post_raw(http, path, json.dumps(body)))
+        assert error["param"] == param, (body, error)
+        message = error["message"]
+        assert message.startswith(f"{where} is not valid Unicode") and "UTF-8" in message, (body, message)
+    # a valid pair of surrogates is one character, and a backslash before "u" is no escape
+    for prompt in ("\U0001f600", "\\ud800"):
+        assert post_raw(http, "/tokenize", json.dumps({"prompt": prompt})).status_code == 200
+
+
 def test_unknown_chat_role_is_400(http):
     error = error_of(http.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}))
     assert error["param"] == "messages" and "messages.0.role='wizard'" in error["message"]

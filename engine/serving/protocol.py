@@ -9,6 +9,7 @@ must be finite (Python's JSON parser takes NaN and Infinity) and within their do
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -216,7 +217,8 @@ class ErrorResponse(BaseModel):
 
 
 def parse_json_body(body: bytes) -> Any:
-    """A request body as JSON; UserError (one line) for invalid UTF-8, invalid JSON, or nesting too deep to parse."""
+    """A request body as JSON; UserError (one line) for invalid UTF-8, invalid JSON, nesting too deep to parse, or
+    a string that is not valid Unicode."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -224,11 +226,38 @@ def parse_json_body(body: bytes) -> Any:
             f"the request body is not UTF-8 (byte {body[exc.start]:#04x} at offset {exc.start}); send UTF-8 JSON"
         ) from None
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise UserError(f"the request body is not valid JSON ({exc}); send a JSON object") from None
     except RecursionError:
         raise UserError("the request body nests JSON too deeply to parse; send a JSON object of plain fields") from None
+    if _ESCAPED_SURROGATE.search(text):  # UTF-8 text has none: only a \u escape can make one
+        _check_unicode(value)
+    return value
+
+
+_ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_unicode(value: Any) -> None:
+    """UserError naming the first string (key or value) with a lone UTF-16 surrogate, which UTF-8 cannot encode."""
+    stack: list[tuple[list[str], Any]] = [([], value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, dict):
+            for key, child in reversed(item.items()):
+                stack.append(([*path, key], key))
+                stack.append(([*path, key], child))
+        elif isinstance(item, list):
+            stack.extend(([*path, str(i)], child) for i, child in reversed(list(enumerate(item))))
+        elif isinstance(item, str) and (bad := _SURROGATE.search(item)):
+            where = ".".join(path) or "the request body"
+            raise UserError(
+                f"{where} is not valid Unicode: it has a lone UTF-16 surrogate (\\u{ord(bad.group()):04x} at "
+                f"character {bad.start()}), which cannot be encoded as UTF-8; send valid Unicode text",
+                param=path[0] if path else None,
+            )
 
 
 _UNION_FIELDS = {  # what to say for a field that takes several forms (pydantic reports one error per form)
