@@ -5,6 +5,9 @@ OpenAI-style 4xx naming the problem; afterwards the server is healthy and holds 
 from __future__ import annotations
 
 import json
+import threading
+import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -233,6 +236,55 @@ def test_token_ids_out_of_the_vocabulary_are_400(server, http):
 def test_too_many_choices_is_400(http):
     error = error_of(http.post("/v1/completions", json={"prompt": ["a"] * 40, "n": 128}))
     assert "n=128" in error["message"] and "40 prompts" in error["message"]
+
+
+def slowest_health_while(server, send: Callable[[httpx.Client], httpx.Response]) -> tuple[httpx.Response, float]:
+    """`send`'s response and the slowest /health answer (seconds) seen while it was in flight."""
+    result: list[httpx.Response] = []
+    worker = threading.Thread(target=lambda: result.append(send(server.http(timeout=300))))
+    worker.start()
+    slowest = 0.0
+    with server.http(timeout=300) as health:
+        while worker.is_alive():
+            start = time.monotonic()
+            assert health.get("/health").status_code == 200
+            slowest = max(slowest, time.monotonic() - start)
+            time.sleep(0.05)
+    worker.join()
+    return result[0], slowest
+
+
+def test_a_text_too_long_to_fit_is_refused_before_it_is_tokenized(server, http):
+    huge = "hello world " * 2_500_000  # 30 MB: tokenizing it takes tens of seconds here
+    longest = max(map(len, server.engine.tokenizer.get_vocab()))
+    requests = {
+        "/v1/completions": {"prompt": huge, "max_tokens": 1},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": huge}], "max_tokens": 1},
+    }
+    for path, body in requests.items():
+        resp, slowest = slowest_health_while(server, lambda client, p=path, b=body: client.post(p, json=b))
+        error = error_of(resp)
+        assert error["code"] == "context_length_exceeded"
+        assert error["param"] == ("prompt" if "prompt" in body else "messages")
+        at_least = int(error["message"].removeprefix("the prompt has at least ").split()[0])
+        assert at_least >= len(huge) / longest > CONTEXT
+        assert f"max_model_len is {CONTEXT}; shorten the prompt" in error["message"]
+        assert slowest < 10, (path, slowest)
+    # many long prompts: the first that cannot fit fails the request at once
+    started = time.monotonic()
+    error = error_of(http.post("/v1/completions", json={"prompt": ["a b", "x" * 24_000, *["y" * 24_000] * 1300]}))
+    assert error["message"].startswith("prompt 1: the prompt has at least") and time.monotonic() - started < 20
+    # short enough in characters, too many tokens: the tokens are counted
+    error = error_of(http.post("/v1/completions", json={"prompt": ["a b", "a " * CONTEXT, "y" * 24_000]}))
+    assert error["message"].startswith("prompt 1: the prompt has ") and "at least" not in error["message"]
+    assert error["param"] == "prompt" and error["code"] == "context_length_exceeded"
+
+
+def test_tokenizing_a_long_text_leaves_the_server_serving(server):
+    text = "hello world " * 1_000_000  # /tokenize takes any length (lm-eval tokenizes whole documents)
+    resp, slowest = slowest_health_while(server, lambda client: client.post("/tokenize", json={"prompt": text}))
+    assert resp.status_code == 200 and resp.json()["count"] >= 2_000_000
+    assert slowest < 5, slowest
 
 
 def test_openapi_document_describes_the_request_bodies(server):

@@ -14,6 +14,7 @@ from engine.errors import UserError
 from engine.serving.chat import ChatEndpoint
 from engine.serving.completions import CompletionsEndpoint
 from engine.serving.engine_loop import EngineLoop
+from engine.serving.generation import json_response
 from engine.serving.http import (
     ERROR_RESPONSES,
     BodyLimitMiddleware,
@@ -128,8 +129,9 @@ class OpenAIServer:
 
     async def tokenize(self, req: TokenizeRequest):
         self.model.check_model(req.model)
-        ids = self.model.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
-        return {"tokens": ids, "count": len(ids), "max_model_len": self.model.max_model_len}
+        ids = await self.model.tokenize(req.prompt, req.add_special_tokens)
+        max_model_len = self.model.max_model_len
+        return await json_response(lambda: {"tokens": ids, "count": len(ids), "max_model_len": max_model_len})
 
     async def detokenize(self, req: DetokenizeRequest):
         self.model.check_model(req.model)

@@ -3,10 +3,13 @@ engine can take requests, and the checks and sampling parameters a generating re
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
+from engine.core.engine import prompt_too_long
 from engine.serving.engine_loop import EngineLoop
 from engine.serving.generation import Choice, Generation
 from engine.serving.handoff import Claimed, PrefillLink, handle_for, own_fingerprint, wants_export
@@ -27,6 +30,8 @@ class ServedModel:
         self.name = name
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
+        # no token covers more characters of text than its vocabulary entry has (byte-level or sentencepiece)
+        self.longest_token = max(map(len, self.tokenizer.get_vocab()))
         self.created = now()
         self.token_text = functools.lru_cache(maxsize=1 << 17)(self._decode_one)
         handoff = self.engine.handoff
@@ -58,12 +63,37 @@ class ServedModel:
             status = 500 if self.engine_loop.error else 503
             raise ServerError(status, self.engine_loop.unavailable_reason())
 
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The text's token ids, made on a worker thread: a long text must not stall the other clients."""
+        return await asyncio.to_thread(lambda: self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    async def prompt_ids(
+        self, text: str, param: str, prompt_number: int | None = None, add_special_tokens: bool = True
+    ) -> list[int]:
+        """A prompt's token ids; a 400 (context_length_exceeded) for a prompt that leaves no room in the context,
+        before tokenizing a text too long to fit whatever its tokens."""
+        if len(text) > self.longest_token * self.max_model_len:
+            at_least = f"at least {math.ceil(len(text) / self.longest_token)}"
+            self._too_long(prompt_too_long(at_least, self.max_model_len), param, prompt_number)
+        ids = await self.tokenize(text, add_special_tokens)
+        self.check_prompt(ids, param, prompt_number)
+        return ids
+
+    def check_prompt(self, ids: list[int], param: str, prompt_number: int | None = None) -> None:
+        """A 400 (context_length_exceeded) for a prompt that fills the context alone."""
+        if len(ids) >= self.max_model_len:
+            self._too_long(prompt_too_long(str(len(ids)), self.max_model_len), param, prompt_number)
+
     def check_context(self, name: str, max_tokens: int, ids: list[int], prompt_number: int | None = None) -> None:
         """A 400 like vLLM's when the prompt and `max_tokens` new tokens do not fit in max_model_len."""
         message = context_overflow(name, max_tokens, len(ids), self.max_model_len)
         if message is not None:
-            prefix = f"prompt {prompt_number}: " if prompt_number is not None else ""
-            raise ServerError(400, prefix + message, param=name, code="context_length_exceeded")
+            self._too_long(message, name, prompt_number)
+
+    @staticmethod
+    def _too_long(message: str, param: str, prompt_number: int | None) -> NoReturn:
+        prefix = f"prompt {prompt_number}: " if prompt_number is not None else ""
+        raise ServerError(400, prefix + message, param=param, code="context_length_exceeded")
 
     async def generate(
         self,
