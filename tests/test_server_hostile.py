@@ -111,9 +111,26 @@ def test_huge_numbers_are_400_or_harmless(http):
             http, "/v1/completions", with_field("/v1/completions", name, literal)[:-1] + ', "max_tokens": 4}'
         )
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] >= 1, (name, resp.text)
-    # stop token ids are only compared with sampled ids: any integer is harmless
-    resp = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "stop_token_ids": [10**30, -5]})
-    assert resp.status_code == 200, resp.text
+
+
+def test_stops_beyond_the_limits_are_400_and_stop_token_ids_must_be_in_the_vocabulary(server, http):
+    vocab = server.engine.runner.vocab_size
+    cases = {
+        "stop has 65 strings; this server takes at most 64": {"stop": ["x"] * 65},
+        "stop has 500000 strings": {"stop": ["ab"] * 500_000},
+        "stop.1 has 257 characters; this server takes stop strings of at most 256": {"stop": ["a", "b" * 257]},
+        "stop has 5000 characters": {"stop": "b" * 5000},
+        f"stop_token_ids must be in 0..{vocab - 1} (got -5)": {"stop_token_ids": [5, 10**30, -5]},
+        f"(got {10**30})": {"stop_token_ids": [10**30]},
+        "stop_token_ids must be in": {"stop_token_ids": [vocab]},
+    }
+    for needle, extra in cases.items():
+        for path, base in BASE.items():
+            error = error_of(http.post(path, json={**base, **extra}))
+            assert needle in error["message"] and error["param"] == next(iter(extra)), (path, needle, error)
+    # at the limits, and a long list of ids in the vocabulary (held as a set), are fine
+    body = {"prompt": "x", "max_tokens": 3, "stop": ["q" * 256] * 64, "stop_token_ids": list(range(vocab)) * 100}
+    assert http.post("/v1/completions", json=body).status_code == 200
 
 
 def test_max_tokens_beyond_the_context_is_400_naming_both_lengths(http):

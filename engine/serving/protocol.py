@@ -19,6 +19,8 @@ from engine.errors import UserError
 
 MAX_N = 128  # choices per prompt; more is almost surely a client bug and would flood the batch
 MAX_CHOICES = 4096  # prompts x n of one request: each is a sequence the engine holds until it finishes
+MAX_STOPS = 64  # stop strings of a request (OpenAI takes 4): every one is looked for after every token
+MAX_STOP_CHARS = 256  # characters of one stop string: streaming holds back up to this much text
 MAX_BODY_BYTES = 32 * 2**20  # a request body; a max_model_len prompt of token ids is well under 1 MiB
 ROLES = ("system", "user", "assistant", "tool", "function", "developer")  # OpenAI's chat roles
 
@@ -76,7 +78,7 @@ class _Request(BaseModel):
     min_p: float | None = _unsupported(0)
 
     def check_supported(self) -> None:
-        """UserError for an option set to a value the engine cannot honour."""
+        """UserError for an option set to a value the engine cannot honour, or stop strings beyond the limits."""
         neutral = {
             "presence_penalty": 0.0,
             "frequency_penalty": 0.0,
@@ -91,7 +93,17 @@ class _Request(BaseModel):
         if self.best_of is not None and self.best_of != self.n:
             raise UserError(f"best_of={self.best_of} is not supported; leave it unset and use n for several choices")
         if self.logit_bias:
-            raise UserError("logit_bias is not supported by this server; leave it unset")
+            raise UserError("logit_bias is not supported by this server; leave it unset", param="logit_bias")
+        stops = self.stop_list()
+        if len(stops) > MAX_STOPS:
+            raise UserError(f"stop has {len(stops)} strings; this server takes at most {MAX_STOPS}", param="stop")
+        for number, stop in enumerate(stops):
+            if len(stop) > MAX_STOP_CHARS:
+                where = f"stop.{number}" if isinstance(self.stop, list) else "stop"
+                raise UserError(
+                    f"{where} has {len(stop)} characters; this server takes stop strings of at most {MAX_STOP_CHARS}",
+                    param="stop",
+                )
 
     @property
     def include_usage(self) -> bool:
@@ -102,8 +114,11 @@ class _Request(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
-        """The engine's parameters for one choice (validated by the engine when the request is added)."""
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None, stop_token_ids: frozenset[int]
+    ) -> SamplingParams:
+        """The engine's parameters for one choice (validated by the engine when the request is added); the stop token
+        ids are the request's, checked against the vocabulary."""
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -111,7 +126,7 @@ class _Request(BaseModel):
             top_k=0 if self.top_k is None else self.top_k,
             seed=self.seed,
             stop=self.stop_list(),
-            stop_token_ids=list(self.stop_token_ids or []),
+            stop_token_ids=stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -135,7 +150,7 @@ class CompletionRequest(_Request):
     def check_supported(self) -> None:
         super().check_supported()
         if self.suffix:
-            raise UserError("suffix is not supported by this server; leave it unset")
+            raise UserError("suffix is not supported by this server; leave it unset", param="suffix")
 
 
 class ChatMessage(BaseModel):
@@ -173,7 +188,7 @@ class ChatCompletionRequest(_Request):
 
     def logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
-            raise UserError("top_logprobs needs logprobs=true")
+            raise UserError("top_logprobs needs logprobs=true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
 

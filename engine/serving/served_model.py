@@ -106,9 +106,10 @@ class ServedModel:
         prompt_numbers: list[int],
     ) -> Generation:
         """Start the engine requests of `choices` (one sampling-parameter set each) and return their generation."""
+        stop_token_ids = self._stop_token_ids(req.stop_token_ids)
         params = []
         for choice in choices:
-            p = req.sampling_params(max_tokens(choice), logprobs, prompt_logprobs)
+            p = req.sampling_params(max_tokens(choice), logprobs, prompt_logprobs, stop_token_ids)
             if req.n > 1 and p.seed is not None:
                 p.seed += choice.index % req.n  # n samples of one seeded request differ, reproducibly
             params.append(p)
@@ -124,6 +125,15 @@ class ServedModel:
             gen.close()
             raise
         return gen
+
+    def _stop_token_ids(self, ids: list[int] | None) -> frozenset[int]:
+        """A request's stop token ids as a set; a 400 for an id outside the vocabulary."""
+        held = frozenset(ids or ())
+        vocab = self.engine.runner.vocab_size
+        if held and (min(held) < 0 or max(held) >= vocab):
+            bad = min(held) if min(held) < 0 else max(held)
+            raise ServerError(400, f"stop_token_ids must be in 0..{vocab - 1} (got {bad})", param="stop_token_ids")
+        return held
 
     def export_handle(self, export: dict) -> dict:
         """A prefill instance's handle for one kept export."""
