@@ -245,9 +245,22 @@ def test_token_ids_out_of_the_vocabulary_are_400(server, http):
     vocab = server.engine.runner.vocab_size
     for prompt in ([vocab], [-1], [5, 10**30], [[5], [vocab + 7]]):
         error = error_of(http.post("/v1/completions", json={"prompt": prompt}))
-        assert f"0..{vocab - 1}" in error["message"], (prompt, error)
+        assert f"0..{vocab - 1}" in error["message"] and error["param"] == "prompt", (prompt, error)
     for tokens in ([len(server.engine.tokenizer)], [-3], [10**30]):
         assert "tokens must be in" in error_of(http.post("/detokenize", json={"tokens": tokens}))["message"]
+
+
+def test_errors_about_a_field_name_it_as_param(http):
+    chat = BASE["/v1/chat/completions"]
+    cases = [
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"prompt": [[5], []]}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "suffix": "tail"}, "suffix"),
+        ("/v1/chat/completions", {**chat, "top_logprobs": 2}, "top_logprobs"),
+    ]
+    for path, body, param in cases:
+        assert error_of(http.post(path, json=body))["param"] == param, body
 
 
 def test_too_many_choices_is_400(http):
