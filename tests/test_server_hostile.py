@@ -263,6 +263,17 @@ def test_errors_about_a_field_name_it_as_param(http):
         assert error_of(http.post(path, json=body))["param"] == param, body
 
 
+def test_a_response_of_too_many_logprobs_is_400(http):
+    ids = list(range(3, 3 + CONTEXT - 8))
+    body = {"prompt": [ids] * 32, "max_tokens": 1, "n": 128, "echo": True, "logprobs": 20}
+    error = error_of(http.post("/v1/completions", json=body))
+    assert error["param"] == "logprobs"
+    assert error["message"].startswith("logprobs=20 for 4096 choices of up to 41 tokens")
+    assert "lower logprobs, n or max_tokens" in error["message"]
+    resp = http.post("/v1/completions", json={**body, "prompt": ids, "n": 16})
+    assert resp.status_code == 200 and len(resp.json()["choices"]) == 16
+
+
 def test_too_many_choices_is_400(http):
     error = error_of(http.post("/v1/completions", json={"prompt": ["a"] * 40, "n": 128}))
     assert "n=128" in error["message"] and "40 prompts" in error["message"]

@@ -74,6 +74,9 @@ class ChatEndpoint:
         def max_tokens(_: Choice) -> int:
             return limit if limit is not None else max(1, model.max_model_len - len(ids))
 
+        if logprobs is not None:
+            model.check_logprobs_size("top_logprobs", logprobs, [max_tokens(c) for c in choices])
+
         gen = await model.generate(req, request, choices, max_tokens, logprobs, None, [0] * len(choices))
         rid, created = new_id("chatcmpl"), now()
         if req.stream:

@@ -72,6 +72,9 @@ class CompletionsEndpoint:
         model.check_healthy()
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         prompts = await self._prompts(req.prompt, req.n, max_tokens)
+        if req.logprobs is not None:
+            tokens = [max_tokens + (len(ids) if req.echo else 0) for ids, _ in prompts for _ in range(req.n)]
+            model.check_logprobs_size("logprobs", req.logprobs, tokens)
         choices, numbers = [], []
         for number, (ids, text) in enumerate(prompts):
             for _ in range(req.n):

@@ -19,6 +19,7 @@ from engine.errors import UserError
 
 MAX_N = 128  # choices per prompt; more is almost surely a client bug and would flood the batch
 MAX_CHOICES = 4096  # prompts x n of one request: each is a sequence the engine holds until it finishes
+MAX_LOGPROB_ENTRIES = 2**21  # choices x tokens x (top logprobs + 1) of a response: ~45 MB of JSON
 MAX_STOPS = 64  # stop strings of a request (OpenAI takes 4): every one is looked for after every token
 MAX_STOP_CHARS = 256  # characters of one stop string: streaming holds back up to this much text
 MAX_BODY_BYTES = 32 * 2**20  # a request body; a max_model_len prompt of token ids is well under 1 MiB

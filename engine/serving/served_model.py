@@ -13,7 +13,7 @@ from engine.core.engine import prompt_too_long
 from engine.serving.engine_loop import EngineLoop
 from engine.serving.generation import Choice, Generation
 from engine.serving.handoff import Claimed, PrefillLink, handle_for, own_fingerprint, wants_export
-from engine.serving.protocol import context_overflow
+from engine.serving.protocol import MAX_LOGPROB_ENTRIES, context_overflow
 from engine.serving.responses import ServerError, now
 
 
@@ -89,6 +89,20 @@ class ServedModel:
         message = context_overflow(name, max_tokens, len(ids), self.max_model_len)
         if message is not None:
             self._too_long(message, name, prompt_number)
+
+    @staticmethod
+    def check_logprobs_size(param: str, top: int, tokens: list[int]) -> None:
+        """A 400 when the response would list more logprobs than one response may carry (`tokens`: each choice's
+        tokens with logprobs, at most; `top`: the alternatives listed with each)."""
+        entries = sum(tokens) * (top + 1)
+        if entries > MAX_LOGPROB_ENTRIES:
+            raise ServerError(
+                400,
+                f"{param}={top} for {len(tokens)} choices of up to {max(tokens)} tokens is {entries} logprobs, more "
+                f"than the {MAX_LOGPROB_ENTRIES} one response may carry; lower {param}, n or max_tokens, or split "
+                "the request",
+                param=param,
+            )
 
     @staticmethod
     def _too_long(message: str, param: str, prompt_number: int | None) -> NoReturn:
