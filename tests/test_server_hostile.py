@@ -93,7 +93,9 @@ def test_non_finite_numbers_in_every_field_are_400_naming_the_field(http):
             for literal in NON_FINITE:
                 error = error_of(post_raw(http, path, with_field(path, name, literal)))
                 assert error["param"] == name, (path, name, literal, error)
-                assert f"{name}=" in error["message"] and "finite" in error["message"], error
+                # an integer field says it wants an integer (a non-finite number is a float)
+                assert f"{name}=" in error["message"], error
+                assert "finite" in error["message"] or "valid integer" in error["message"], error
     body = with_field("/v1/completions", "logit_bias", '{"5": NaN}')
     assert error_of(post_raw(http, "/v1/completions", body))["param"] == "logit_bias"
     body = with_field("/v1/chat/completions", "top_logprobs", "Infinity")
@@ -205,6 +207,28 @@ def test_text_that_is_not_valid_unicode_is_400_naming_the_field(http):
     # a valid pair of surrogates is one character, and a backslash before "u" is no escape
     for prompt in ("\U0001f600", "\\ud800"):
         assert post_raw(http, "/tokenize", json.dumps({"prompt": prompt})).status_code == 200
+
+
+def test_json_types_are_not_coerced(http):
+    for name, value in (("max_tokens", "3"), ("max_tokens", True), ("max_tokens", 3.5), ("stream", "yes")):
+        error = error_of(http.post("/v1/completions", json={"prompt": "x", name: value}))
+        assert error["param"] == name and f"{name}={value!r}" in error["message"], error
+    for name, value in (("temperature", "0.5"), ("logprobs", False), ("n", 1.0), ("echo", 1)):
+        assert error_of(http.post("/v1/completions", json={"prompt": "x", name: value}))["param"] == name
+    chat = BASE["/v1/chat/completions"]
+    assert error_of(http.post("/v1/chat/completions", json={**chat, "logprobs": "true"}))["param"] == "logprobs"
+    # a JSON integer is a number
+    assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "temperature": 0, "top_p": 1}).is_success
+
+
+def test_head_probes_and_the_allow_header_of_a_405(http):
+    for path in ("/health", "/v1/models"):
+        resp = http.head(path)
+        assert resp.status_code == 200 and resp.content == b"", path
+    resp = http.post("/health")
+    assert error_of(resp, status=405) and "GET" in resp.headers["allow"]
+    resp = http.get("/v1/completions")
+    assert error_of(resp, status=405) and resp.headers["allow"] == "POST"
 
 
 def test_unknown_chat_role_is_400(http):

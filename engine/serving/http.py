@@ -122,7 +122,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, exc: HTTPException):
         param = getattr(exc, "param", None)
-        return JSONResponse(error_body(str(exc.detail), exc.status_code, param), status_code=exc.status_code)
+        body = error_body(str(exc.detail), exc.status_code, param)
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)  # a 405's Allow among them
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

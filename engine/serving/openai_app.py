@@ -42,8 +42,9 @@ class OpenAIServer:
         app.router.route_class = JSONRoute
         app.add_middleware(BodyLimitMiddleware, limit=MAX_BODY_BYTES)
         install_error_handlers(app)
-        app.get("/health")(self.health)
-        app.get("/v1/models")(self.models)
+        for path, handler in (("/health", self.health), ("/v1/models", self.models)):
+            app.get(path)(handler)
+            app.head(path, include_in_schema=False)(handler)  # what load balancers probe with
         app.get("/v1/engine/stats")(self.engine_stats)
         app.get("/tokenizer_info")(self.tokenizer_info)
         app.post("/tokenize", responses=ERROR_RESPONSES)(self.tokenize)

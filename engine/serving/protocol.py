@@ -25,8 +25,8 @@ MAX_STOP_CHARS = 256  # characters of one stop string: streaming holds back up t
 MAX_BODY_BYTES = 32 * 2**20  # a request body; a max_model_len prompt of token ids is well under 1 MiB
 ROLES = ("system", "user", "assistant", "tool", "function", "developer")  # OpenAI's chat roles
 
-# finite numbers only, unknown fields ignored
-_REQUEST_CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False)
+# finite numbers only, no coercion between JSON types ("3" is no integer, true no number), unknown fields ignored
+_REQUEST_CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 _StopString = Annotated[str, Field(min_length=1)]
