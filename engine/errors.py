@@ -1,5 +1,8 @@
 """Errors that reach the user as one line, without a traceback."""
 
+# what a rank's error says when another rank went away first: a consequence, never the root cause of a failed run
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "gloo/transport", "shared-memory peer lost")
+
 
 class UserError(Exception):
     """A problem with the user's input (a plan, a request, a model folder).

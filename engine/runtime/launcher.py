@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import BinaryIO
 
-from engine.errors import UserError
+from engine.errors import PEER_LOST, UserError
 from engine.plan.schema import LaunchSection
 
 _LOWEST_PICKED_PORT = 10000
@@ -94,7 +94,6 @@ def torchrun_command(launch: LaunchSection, ranks_per_node: int, worker_args: li
 
 
 _FAILURE = re.compile(r"^\s*rank\s*:\s*(\d+).*\n\s*exitcode\s*:\s*(-?\d+)", re.M)
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "gloo/transport", "shared-memory peer lost")
 
 
 def _root_error(error_dir: Path, log_text: str) -> str | None:
@@ -110,7 +109,7 @@ def _root_error(error_dir: Path, log_text: str) -> str | None:
         except (OSError, ValueError):
             continue
         errors[record["rank"]] = record
-    own = [e for e in errors.values() if not any(s in e["message"] for s in _PEER_LOST)]
+    own = [e for e in errors.values() if not any(s in e["message"] for s in PEER_LOST)]
     if own:
         return _earliest(own)
     # torchrun lists the other failures (e.g. the ranks it then stopped with SIGTERM) before its root cause
