@@ -78,5 +78,7 @@ def run(
     with tempfile.TemporaryDirectory(prefix="dcpctl-job-") as tmp:
         job_file = Path(tmp) / "job.json"
         job.save(job_file)
-        launch_ranks(resolved, overrides, ["--job-file", str(job_file)])
+        stopped_by = launch_ranks(resolved, overrides, ["--job-file", str(job_file)])
+    if stopped_by is not None:  # the job did not finish: the shell's status for a signal
+        raise typer.Exit(128 + stopped_by)
     return None

@@ -3,13 +3,14 @@
 The engine's own entry point for serving, without the `dcpctl` command line: `dcpctl run PLAN` calls the same
 functions (`launch_ranks` for its offline jobs of several ranks too), and evals starts the plans it measures through
 it. Once healthy it prints
-`serving NAME on http://HOST:PORT ...`; a user error prints `error: ...` and exits 1; SIGINT stops every rank
-(exit 0 for one rank, 130 when it interrupts torchrun); bad arguments exit 2.
+`serving NAME on http://HOST:PORT ...`; a user error prints `error: ...` and exits 1; SIGINT or SIGTERM stops every
+rank, a clean stop that exits 0 whatever the number of ranks; bad arguments exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -32,12 +33,13 @@ def runnable_plan(plan: str, overrides: list[str]) -> ResolvedPlan:
     return resolved
 
 
-def launch_ranks(resolved: ResolvedPlan, overrides: list[str], job_args: list[str]) -> None:
-    """Run the plan's ranks on this node under torchrun (the job: `--serve` or `--job-file FILE`)."""
+def launch_ranks(resolved: ResolvedPlan, overrides: list[str], job_args: list[str]) -> signal.Signals | None:
+    """Run the plan's ranks on this node under torchrun (the job: `--serve` or `--job-file FILE`); the signal that
+    stopped them early, if one did."""
     from engine.runtime.launcher import launch
 
     overrides = resolved.rank_overrides(overrides)
-    launch(resolved.plan.launch, resolved.local_world_size, resolved.source, overrides, job_args)
+    return launch(resolved.plan.launch, resolved.local_world_size, resolved.source, overrides, job_args)
 
 
 def serve(resolved: ResolvedPlan, overrides: list[str], role: str = "all") -> None:
@@ -76,7 +78,8 @@ def serve(resolved: ResolvedPlan, overrides: list[str], role: str = "all") -> No
 
 def _serve_instance(resolved: ResolvedPlan, inst: ResolvedPlan, overrides: list[str], kv_role: KVRole | None) -> None:
     """One instance: in this process for one rank, else its ranks under torchrun. The ranks of a P/D instance each
-    resolve the P/D plan file (`resolved`) with the overrides and pick their instance (`--kv-role`)."""
+    resolve the P/D plan file (`resolved`) with the overrides and pick their instance (`--kv-role`). A server stops
+    on SIGINT or SIGTERM: a clean stop."""
     if inst.world_size == 1:
         from engine.serving.hosting import serve_plan
 

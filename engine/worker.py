@@ -16,7 +16,7 @@ import time
 import traceback
 from pathlib import Path
 
-from engine.errors import UserError
+from engine.errors import PEER_LOST, UserError
 from engine.io_utils import atomic_write_text
 
 
@@ -102,8 +102,12 @@ def _run_job(argv: list[str] | None) -> int:
     except BaseException as exc:
         if isinstance(exc, SystemExit) and not exc.code:
             return 0  # a follower rank of LLM(...) after rank 0 closed it
-        _write_error(args.error_dir, f"{type(exc).__name__}: {exc}")
-        traceback.print_exc()
+        message = f"{type(exc).__name__}: {exc}"
+        _write_error(args.error_dir, message)
+        if any(s in message for s in PEER_LOST):  # another rank failed first: the launcher names it
+            print(f"error: {message}", file=sys.stderr)
+        else:
+            traceback.print_exc()
         return 1
 
 

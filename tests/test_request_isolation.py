@@ -23,7 +23,7 @@ from engine.core.engine import LLMEngine
 from tests.oracle import write_plan
 from tests.test_server import MODEL, _dcpctl_run, _stop_and_check_tree, _wait_for_banner, serve, sse_events
 
-POISON_ID = 424_242  # a stop token id no vocabulary has: marks the request whose temperature the hook poisons
+POISON_ID = 423  # a stop token id only the poisoned request names: marks it for the hook that poisons its temperature
 PROMPTS = ["the quick brown fox", "hello world, this is", "a b c d", "once upon a time"]
 POISON_HOOK = f"""
 import dataclasses, math, os

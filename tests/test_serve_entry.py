@@ -1,8 +1,10 @@
 """`python -m engine.serve_entry PLAN`: the engine's own way to serve a plan behaves as `dcpctl run PLAN` does
-(same error lines and exit codes), and serves the plan until SIGINT (exit 0)."""
+(same error lines and exit codes), and serves the plan until SIGINT or SIGTERM (a clean stop: exit 0, with the
+server's log on the terminal, whatever the number of ranks)."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -11,8 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine.runtime.launcher import free_port
 from evals.launch import PlanServer
 from tests.oracle import write_plan
+from tests.test_server import _dcpctl_run, _wait_for_banner
 
 ENTRY = [sys.executable, "-m", "engine.serve_entry"]
 DCPCTL_RUN = [sys.executable, "-m", "dcpctl.cli", "run"]
@@ -81,3 +85,25 @@ def test_serves_the_plan_until_sigint(tmp_path, tiny_llama):
         assert [m["id"] for m in models] == ["tiny"]
     assert server.returncode == 0
     assert f"serving tiny on {server.base_url}" in (tmp_path / "server.log").read_text()
+
+
+@pytest.mark.parametrize("dcp", [1, pytest.param(2, marks=[pytest.mark.slow, pytest.mark.multiproc])])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_the_server_cleanly_with_its_log_on_the_terminal(tmp_path, tiny_llama, dcp, sig):
+    runs = tmp_path / "tmp"  # where a run of several ranks keeps its folder
+    runs.mkdir()
+    log = tmp_path / "run.log"
+    plan = write_plan(tmp_path, tiny_llama, {"parallel.dcp": dcp})
+    proc = _dcpctl_run(plan, [f"serve.port={free_port()}"], log, {"TMPDIR": str(runs)})
+    try:
+        _wait_for_banner(proc, log, timeout=240)
+        proc.send_signal(sig)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = log.read_text()
+    assert code == 0, out[-3000:]
+    assert "dcpctl.server: shutting down" in out and "dcpctl.server: engine stopped" in out, out[-3000:]
+    assert "the run failed" not in out and "Traceback" not in out, out[-3000:]
+    assert not list(runs.glob("dcpctl-run-*"))

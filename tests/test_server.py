@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from engine.core.engine import LLMEngine
 from engine.core.startup import start_rank
 from engine.plan.checks import resolve_plan
 from engine.serving.hosting import ServerHandle, start_server
+from engine.serving.responses import stop_holdback
 from tests.oracle import hf_greedy, hf_prompt_logprobs, prompt_ids, write_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -244,6 +246,15 @@ def test_sse_framing_ends_with_done(server):
 
 
 # ---- stop strings ----
+
+
+def test_stop_holdback_is_the_longest_end_that_could_start_a_stop():
+    rng = random.Random(0)
+    for _ in range(5000):
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 12)))
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(0, 3))]
+        ends = [k for s in stops for k in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:k])]
+        assert stop_holdback(text, stops) == max(ends, default=0), (text, stops)
 
 
 def test_stop_strings_cut_the_text_streaming_and_not(server):

@@ -5,6 +5,9 @@ OpenAI-style 4xx naming the problem; afterwards the server is healthy and holds 
 from __future__ import annotations
 
 import json
+import threading
+import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -90,7 +93,9 @@ def test_non_finite_numbers_in_every_field_are_400_naming_the_field(http):
             for literal in NON_FINITE:
                 error = error_of(post_raw(http, path, with_field(path, name, literal)))
                 assert error["param"] == name, (path, name, literal, error)
-                assert f"{name}=" in error["message"] and "finite" in error["message"], error
+                # an integer field says it wants an integer (a non-finite number is a float)
+                assert f"{name}=" in error["message"], error
+                assert "finite" in error["message"] or "valid integer" in error["message"], error
     body = with_field("/v1/completions", "logit_bias", '{"5": NaN}')
     assert error_of(post_raw(http, "/v1/completions", body))["param"] == "logit_bias"
     body = with_field("/v1/chat/completions", "top_logprobs", "Infinity")
@@ -108,9 +113,26 @@ def test_huge_numbers_are_400_or_harmless(http):
             http, "/v1/completions", with_field("/v1/completions", name, literal)[:-1] + ', "max_tokens": 4}'
         )
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] >= 1, (name, resp.text)
-    # stop token ids are only compared with sampled ids: any integer is harmless
-    resp = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "stop_token_ids": [10**30, -5]})
-    assert resp.status_code == 200, resp.text
+
+
+def test_stops_beyond_the_limits_are_400_and_stop_token_ids_must_be_in_the_vocabulary(server, http):
+    vocab = server.engine.runner.vocab_size
+    cases = {
+        "stop has 65 strings; this server takes at most 64": {"stop": ["x"] * 65},
+        "stop has 500000 strings": {"stop": ["ab"] * 500_000},
+        "stop.1 has 257 characters; this server takes stop strings of at most 256": {"stop": ["a", "b" * 257]},
+        "stop has 5000 characters": {"stop": "b" * 5000},
+        f"stop_token_ids must be in 0..{vocab - 1} (got -5)": {"stop_token_ids": [5, 10**30, -5]},
+        f"(got {10**30})": {"stop_token_ids": [10**30]},
+        "stop_token_ids must be in": {"stop_token_ids": [vocab]},
+    }
+    for needle, extra in cases.items():
+        for path, base in BASE.items():
+            error = error_of(http.post(path, json={**base, **extra}))
+            assert needle in error["message"] and error["param"] == next(iter(extra)), (path, needle, error)
+    # at the limits, and a long list of ids in the vocabulary (held as a set), are fine
+    body = {"prompt": "x", "max_tokens": 3, "stop": ["q" * 256] * 64, "stop_token_ids": list(range(vocab)) * 100}
+    assert http.post("/v1/completions", json=body).status_code == 200
 
 
 def test_max_tokens_beyond_the_context_is_400_naming_both_lengths(http):
@@ -160,6 +182,55 @@ def test_wrong_types_are_400(http):
     assert "prompt" in error_of(http.post("/tokenize", json={"prompt": ["a"]}))["message"]
 
 
+def test_text_that_is_not_valid_unicode_is_400_naming_the_field(http):
+    """JSON may spell a lone UTF-16 surrogate ("\\ud800"); no tokenizer (or UTF-8 encoder) can take it."""
+    lone = "ab\ud800"
+    cases = [
+        ("/v1/completions", {"prompt": lone}, "prompt", "prompt"),
+        ("/v1/completions", {"prompt": ["fine", lone]}, "prompt", "prompt.1"),
+        ("/v1/completions", {"prompt": "x", "stop": lone}, "stop", "stop"),
+        ("/v1/completions", {"prompt": "x", "stop": ["ok", "\udfff"]}, "stop", "stop.1"),
+        ("/tokenize", {"prompt": lone}, "prompt", "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": lone}]}, "messages", "messages.0.content"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": lone}]}]},
+            "messages",
+            "messages.0.content.0.text",
+        ),
+    ]
+    for path, body, param, where in cases:
+        error = error_of(post_raw(http, path, json.dumps(body)))
+        assert error["param"] == param, (body, error)
+        message = error["message"]
+        assert message.startswith(f"{where} is not valid Unicode") and "UTF-8" in message, (body, message)
+    # a valid pair of surrogates is one character, and a backslash before "u" is no escape
+    for prompt in ("\U0001f600", "\\ud800"):
+        assert post_raw(http, "/tokenize", json.dumps({"prompt": prompt})).status_code == 200
+
+
+def test_json_types_are_not_coerced(http):
+    for name, value in (("max_tokens", "3"), ("max_tokens", True), ("max_tokens", 3.5), ("stream", "yes")):
+        error = error_of(http.post("/v1/completions", json={"prompt": "x", name: value}))
+        assert error["param"] == name and f"{name}={value!r}" in error["message"], error
+    for name, value in (("temperature", "0.5"), ("logprobs", False), ("n", 1.0), ("echo", 1)):
+        assert error_of(http.post("/v1/completions", json={"prompt": "x", name: value}))["param"] == name
+    chat = BASE["/v1/chat/completions"]
+    assert error_of(http.post("/v1/chat/completions", json={**chat, "logprobs": "true"}))["param"] == "logprobs"
+    # a JSON integer is a number
+    assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "temperature": 0, "top_p": 1}).is_success
+
+
+def test_head_probes_and_the_allow_header_of_a_405(http):
+    for path in ("/health", "/v1/models"):
+        resp = http.head(path)
+        assert resp.status_code == 200 and resp.content == b"", path
+    resp = http.post("/health")
+    assert error_of(resp, status=405) and "GET" in resp.headers["allow"]
+    resp = http.get("/v1/completions")
+    assert error_of(resp, status=405) and resp.headers["allow"] == "POST"
+
+
 def test_unknown_chat_role_is_400(http):
     error = error_of(http.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}))
     assert error["param"] == "messages" and "messages.0.role='wizard'" in error["message"]
@@ -198,14 +269,87 @@ def test_token_ids_out_of_the_vocabulary_are_400(server, http):
     vocab = server.engine.runner.vocab_size
     for prompt in ([vocab], [-1], [5, 10**30], [[5], [vocab + 7]]):
         error = error_of(http.post("/v1/completions", json={"prompt": prompt}))
-        assert f"0..{vocab - 1}" in error["message"], (prompt, error)
+        assert f"0..{vocab - 1}" in error["message"] and error["param"] == "prompt", (prompt, error)
     for tokens in ([len(server.engine.tokenizer)], [-3], [10**30]):
         assert "tokens must be in" in error_of(http.post("/detokenize", json={"tokens": tokens}))["message"]
+
+
+def test_errors_about_a_field_name_it_as_param(http):
+    chat = BASE["/v1/chat/completions"]
+    cases = [
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"prompt": [[5], []]}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "suffix": "tail"}, "suffix"),
+        ("/v1/chat/completions", {**chat, "top_logprobs": 2}, "top_logprobs"),
+    ]
+    for path, body, param in cases:
+        assert error_of(http.post(path, json=body))["param"] == param, body
+
+
+def test_a_response_of_too_many_logprobs_is_400(http):
+    ids = list(range(3, 3 + CONTEXT - 8))
+    body = {"prompt": [ids] * 32, "max_tokens": 1, "n": 128, "echo": True, "logprobs": 20}
+    error = error_of(http.post("/v1/completions", json=body))
+    assert error["param"] == "logprobs"
+    assert error["message"].startswith("logprobs=20 for 4096 choices of up to 41 tokens")
+    assert "lower logprobs, n or max_tokens" in error["message"]
+    resp = http.post("/v1/completions", json={**body, "prompt": ids, "n": 16})
+    assert resp.status_code == 200 and len(resp.json()["choices"]) == 16
 
 
 def test_too_many_choices_is_400(http):
     error = error_of(http.post("/v1/completions", json={"prompt": ["a"] * 40, "n": 128}))
     assert "n=128" in error["message"] and "40 prompts" in error["message"]
+
+
+def slowest_health_while(server, send: Callable[[httpx.Client], httpx.Response]) -> tuple[httpx.Response, float]:
+    """`send`'s response and the slowest /health answer (seconds) seen while it was in flight."""
+    result: list[httpx.Response] = []
+    worker = threading.Thread(target=lambda: result.append(send(server.http(timeout=300))))
+    worker.start()
+    slowest = 0.0
+    with server.http(timeout=300) as health:
+        while worker.is_alive():
+            start = time.monotonic()
+            assert health.get("/health").status_code == 200
+            slowest = max(slowest, time.monotonic() - start)
+            time.sleep(0.05)
+    worker.join()
+    return result[0], slowest
+
+
+def test_a_text_too_long_to_fit_is_refused_before_it_is_tokenized(server, http):
+    huge = "hello world " * 2_500_000  # 30 MB: tokenizing it takes tens of seconds here
+    longest = max(map(len, server.engine.tokenizer.get_vocab()))
+    requests = {
+        "/v1/completions": {"prompt": huge, "max_tokens": 1},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": huge}], "max_tokens": 1},
+    }
+    for path, body in requests.items():
+        resp, slowest = slowest_health_while(server, lambda client, p=path, b=body: client.post(p, json=b))
+        error = error_of(resp)
+        assert error["code"] == "context_length_exceeded"
+        assert error["param"] == ("prompt" if "prompt" in body else "messages")
+        at_least = int(error["message"].removeprefix("the prompt has at least ").split()[0])
+        assert at_least >= len(huge) / longest > CONTEXT
+        assert f"max_model_len is {CONTEXT}; shorten the prompt" in error["message"]
+        assert slowest < 10, (path, slowest)
+    # many long prompts: the first that cannot fit fails the request at once
+    started = time.monotonic()
+    error = error_of(http.post("/v1/completions", json={"prompt": ["a b", "x" * 24_000, *["y" * 24_000] * 1300]}))
+    assert error["message"].startswith("prompt 1: the prompt has at least") and time.monotonic() - started < 20
+    # short enough in characters, too many tokens: the tokens are counted
+    error = error_of(http.post("/v1/completions", json={"prompt": ["a b", "a " * CONTEXT, "y" * 24_000]}))
+    assert error["message"].startswith("prompt 1: the prompt has ") and "at least" not in error["message"]
+    assert error["param"] == "prompt" and error["code"] == "context_length_exceeded"
+
+
+def test_tokenizing_a_long_text_leaves_the_server_serving(server):
+    text = "hello world " * 1_000_000  # /tokenize takes any length (lm-eval tokenizes whole documents)
+    resp, slowest = slowest_health_while(server, lambda client: client.post("/tokenize", json={"prompt": text}))
+    assert resp.status_code == 200 and resp.json()["count"] >= 2_000_000
+    assert slowest < 5, slowest
 
 
 def test_openapi_document_describes_the_request_bodies(server):

@@ -56,6 +56,14 @@ class EngineCounters:
     generated_tokens: int = 0
 
 
+def prompt_too_long(tokens: str, max_model_len: int) -> str:
+    """Why a prompt of `tokens` tokens (a count, or what is known of it) cannot run: it leaves no room to generate."""
+    return (
+        f"the prompt has {tokens} tokens but the plan's max_model_len is {max_model_len}; "
+        "shorten the prompt or raise model.max_model_len"
+    )
+
+
 class LLMEngine:
     """The driver: owns tokenizer, scheduler and block manager; runs steps on every rank."""
 
@@ -111,15 +119,12 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
-            raise UserError("the prompt is empty")
+            raise UserError("the prompt is empty", param="prompt")
         if len(ids) >= self.max_model_len:
-            raise UserError(
-                f"the prompt has {len(ids)} tokens but the plan's max_model_len is {self.max_model_len}; "
-                f"shorten the prompt or raise model.max_model_len"
-            )
+            raise UserError(prompt_too_long(str(len(ids)), self.max_model_len))
         vocab = self.runner.vocab_size
         if max(ids) >= vocab or min(ids) < 0:
-            raise UserError(f"prompt token ids must be in 0..{vocab - 1}")
+            raise UserError(f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise UserError(f"request id {request_id!r} is already in use")

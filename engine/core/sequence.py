@@ -6,6 +6,7 @@ import enum
 import itertools
 import math
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine.errors import UserError
@@ -25,10 +26,13 @@ class SamplingParams:
     top_k: int = 0  # 0 or -1: no top-k
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: Collection[int] = frozenset()  # held as a frozenset: every sampled token is looked up in it
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs for each generated token (0: only the sampled token)
     prompt_logprobs: int | None = None  # top-N logprobs for each prompt token (the first has none)
+
+    def __post_init__(self) -> None:
+        self.stop_token_ids = frozenset(self.stop_token_ids)  # the same object when it already is one
 
     def validate(self) -> None:
         """Raise UserError naming the first bad value."""

@@ -136,11 +136,14 @@ def start_engine(
     config, par, runner = start_rank(resolved, kv_role)
     exporter = runner.kv_exporter
     endpoints = gather_objects(exporter.endpoint, par.control_group) if exporter is not None else None
+    if shield_followers:
+        if not par.is_driver:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
+        # rank 0 serves (and can be told to stop) only once every follower is shielded
+        gather_objects(None, par.control_group)
     if par.is_driver:
         return LLMEngine(config, par, runner, endpoints)
-    if shield_followers:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
     follow(par, runner)
     return None
 

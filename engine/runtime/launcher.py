@@ -1,4 +1,8 @@
-"""Start a plan's ranks with torchrun (torch.distributed.run) and report the root error of a failed run."""
+"""Start a plan's ranks with torchrun (torch.distributed.run) and report the root error of a failed run.
+
+Every rank's stderr goes to its own file under the run's folder and, prefixed with its rank, to the run's
+`torchrun.log`; rank 0's also comes to this process's stderr, as a one-rank run prints it.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +16,16 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
+from typing import BinaryIO
 
-from engine.errors import UserError
+from engine.errors import PEER_LOST, UserError
 from engine.plan.schema import LaunchSection
 
 _LOWEST_PICKED_PORT = 10000
+_RANK_PREFIX = "[rank${rank}]:"  # torchrun's prefix for the stderr lines of each rank it tees
+_ECHOED = b"[rank0]:"
 
 
 def ephemeral_port_range() -> tuple[int, int]:
@@ -60,8 +68,9 @@ def ensure_port_free(host: str, port: int, what: str) -> None:
             ) from None
 
 
-def torchrun_command(launch: LaunchSection, ranks_per_node: int, worker_args: list[str]) -> list[str]:
-    """The torchrun command line for this node of a plan's launch section."""
+def torchrun_command(launch: LaunchSection, ranks_per_node: int, worker_args: list[str], log_dir: Path) -> list[str]:
+    """The torchrun command line for this node of a plan's launch section; each rank's stderr goes to a file under
+    `log_dir` and, prefixed with the rank, to torchrun's stderr."""
     cmd = [
         sys.executable,
         "-m",
@@ -71,6 +80,8 @@ def torchrun_command(launch: LaunchSection, ranks_per_node: int, worker_args: li
         f"--node-rank={launch.node_rank}",
         "--max-restarts=0",
         "--monitor-interval=0.5",
+        f"--log-dir={log_dir}",
+        "--tee=2",
     ]
     if launch.rdzv_endpoint:
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={launch.rdzv_endpoint}"]
@@ -83,7 +94,6 @@ def torchrun_command(launch: LaunchSection, ranks_per_node: int, worker_args: li
 
 
 _FAILURE = re.compile(r"^\s*rank\s*:\s*(\d+).*\n\s*exitcode\s*:\s*(-?\d+)", re.M)
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "gloo/transport", "shared-memory peer lost")
 
 
 def _root_error(error_dir: Path, log_text: str) -> str | None:
@@ -99,7 +109,7 @@ def _root_error(error_dir: Path, log_text: str) -> str | None:
         except (OSError, ValueError):
             continue
         errors[record["rank"]] = record
-    own = [e for e in errors.values() if not any(s in e["message"] for s in _PEER_LOST)]
+    own = [e for e in errors.values() if not any(s in e["message"] for s in PEER_LOST)]
     if own:
         return _earliest(own)
     # torchrun lists the other failures (e.g. the ranks it then stopped with SIGTERM) before its root cause
@@ -117,40 +127,69 @@ def _earliest(records: list[dict]) -> str:
     return f"rank {first['rank']}: {first['message']}"
 
 
+def _copy_stderr(stream: BinaryIO, log_file: BinaryIO) -> None:
+    """torchrun's stderr into the log, and rank 0's lines (without their prefix) to this process's stderr too."""
+    echo = True
+    for line in stream:
+        log_file.write(line)
+        log_file.flush()
+        if echo and line.startswith(_ECHOED):
+            try:
+                sys.stderr.buffer.write(line[len(_ECHOED) :].removeprefix(b" "))
+                sys.stderr.flush()
+            except (OSError, ValueError):  # nobody reads this process's stderr any more
+                echo = False
+
+
 def launch(
     section: LaunchSection, ranks_per_node: int, plan_file: str, overrides: list[str], job_args: list[str]
-) -> None:
+) -> signal.Signals | None:
     """Run this node's ranks of a plan to completion, each loading `plan_file` with `overrides`; a UserError names
-    the root cause if any rank fails."""
+    the root cause if any rank fails.
+
+    SIGINT or SIGTERM to this process stops the ranks (torchrun passes it on); returns that signal once they have
+    stopped cleanly (None: they ran to completion).
+    """
     run_dir = Path(tempfile.mkdtemp(prefix="dcpctl-run-"))
     log = run_dir / "torchrun.log"
     plan_args = ["--plan", plan_file, *(arg for item in overrides for arg in ("--set", item))]
     worker_args = [*plan_args, "--error-dir", str(run_dir), *job_args]
-    cmd = torchrun_command(section, ranks_per_node, worker_args)
+    cmd = torchrun_command(section, ranks_per_node, worker_args, run_dir / "ranks")
     env = dict(os.environ, LOGLEVEL=os.environ.get("LOGLEVEL", "ERROR"), PYTHONUNBUFFERED="1")
     env.setdefault("OMP_NUM_THREADS", "1")
+    env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = _RANK_PREFIX
+    stopped_by: list[signal.Signals] = []
+
+    def stop(signum: int) -> None:
+        stopped_by.append(signal.Signals(signum))
+        proc.send_signal(signum)
+
     # started in the background (nohup, `&`) SIGINT arrives ignored, and torchrun would inherit that: `kill -INT`
     # must still stop every rank, as it stops a one-rank server
     previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     with log.open("wb") as log_file:
-        proc = subprocess.Popen(cmd, env=env, stderr=log_file)
+        proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
+        copier = threading.Thread(target=_copy_stderr, args=(proc.stderr, log_file), daemon=True)
+        copier.start()
         # SIGTERM to this process alone must still stop torchrun and its ranks (Ctrl-C reaches them anyway)
-        previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
+        previous = signal.signal(signal.SIGTERM, lambda signum, _: stop(signum))
         try:
             code = proc.wait()
         except KeyboardInterrupt:
-            proc.send_signal(signal.SIGINT)
+            stop(signal.SIGINT)
             try:
-                proc.wait(timeout=15)
+                code = proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 proc.kill()
-            raise
+                code = proc.wait()
         finally:
             signal.signal(signal.SIGTERM, previous)
             signal.signal(signal.SIGINT, previous_int)
-    if code == 0:
+        copier.join()
+    # torchrun fails itself when it is signalled; the ranks stopped cleanly if none of them reported an error
+    if code == 0 or (stopped_by and not any(run_dir.glob("rank*.json"))):
         shutil.rmtree(run_dir, ignore_errors=True)
-        return
+        return stopped_by[0] if stopped_by else None
     log_text = log.read_text(errors="replace") if log.exists() else ""
     tail = log_text.strip().splitlines()[-1:]
     reason = _root_error(run_dir, log_text) or (tail[0] if tail else f"torchrun exited with {code}")

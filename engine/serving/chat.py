@@ -6,12 +6,21 @@ first for every choice, then the content as it becomes safe to send, then a chun
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 
 from engine.errors import UserError
-from engine.serving.generation import Choice, Generation, client_gone, event_stream, handoff_fields, stream_chunk
+from engine.serving.generation import (
+    Choice,
+    Generation,
+    client_gone,
+    event_stream,
+    handoff_fields,
+    json_response,
+    stream_chunk,
+)
 from engine.serving.protocol import ChatCompletionRequest
 from engine.serving.responses import ResponseHead, chat_logprobs, new_id, now, usage
 from engine.serving.served_model import ServedModel
@@ -23,7 +32,13 @@ class ChatEndpoint:
     def __init__(self, model: ServedModel):
         self.model = model
 
-    def _prompt(self, req: ChatCompletionRequest) -> list[int]:
+    async def _prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """The messages' token ids, rendered and tokenized on worker threads."""
+        text = await asyncio.to_thread(self._render, req)
+        # the template writes the special tokens itself; the tokenizer must not add a second BOS
+        return await self.model.prompt_ids(text, "messages", add_special_tokens=False)
+
+    def _render(self, req: ChatCompletionRequest) -> str:
         from jinja2 import TemplateError
 
         tokenizer = self.model.tokenizer
@@ -31,14 +46,12 @@ class ChatEndpoint:
             raise UserError(f"model {self.model.name!r} has no chat template; use /v1/completions with a text prompt")
         messages = [m.as_template_input() for m in req.messages]
         try:
-            text = tokenizer.apply_chat_template(
+            return tokenizer.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt, tokenize=False
             )
         except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             # the template is a function of the messages alone: whatever it raises is about them
-            raise UserError(f"the model's chat template rejected the messages: {exc}") from None
-        # the template writes the special tokens itself; the tokenizer must not add a second BOS
-        return tokenizer(text, add_special_tokens=False).input_ids
+            raise UserError(f"the model's chat template rejected the messages: {exc}", param="messages") from None
 
     def _logprobs(self, req: ChatCompletionRequest, entries: list) -> dict:
         return chat_logprobs(entries, self.model.token_text, self.model.token_name(req))
@@ -50,7 +63,7 @@ class ChatEndpoint:
         req.check_supported()
         logprobs = req.logprobs_count()
         model.check_healthy()
-        ids = self._prompt(req)
+        ids = await self._prompt(req)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if limit is not None:
             model.check_context(
@@ -61,6 +74,9 @@ class ChatEndpoint:
         def max_tokens(_: Choice) -> int:
             return limit if limit is not None else max(1, model.max_model_len - len(ids))
 
+        if logprobs is not None:
+            model.check_logprobs_size("top_logprobs", logprobs, [max_tokens(c) for c in choices])
+
         gen = await model.generate(req, request, choices, max_tokens, logprobs, None, [0] * len(choices))
         rid, created = new_id("chatcmpl"), now()
         if req.stream:
@@ -68,22 +84,25 @@ class ChatEndpoint:
             return event_stream(gen, self._chunks(req, gen, head, logprobs is not None))
         if not await gen.run_to_end():
             return client_gone()
-        body = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(req, c.logprobs) if logprobs is not None else None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in choices
-        ]
-        head = ResponseHead(rid, "chat.completion", created, model.name)
-        return head.body(
-            body,
-            usage=usage(len(ids), sum(len(c.token_ids) for c in choices)),
-            **handoff_fields(choices, gen.export_handle),
-        )
+
+        def body() -> dict:
+            head = ResponseHead(rid, "chat.completion", created, model.name)
+            return head.body(
+                [
+                    {
+                        "index": c.index,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": self._logprobs(req, c.logprobs) if logprobs is not None else None,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                    for c in choices
+                ],
+                usage=usage(len(ids), sum(len(c.token_ids) for c in choices)),
+                **handoff_fields(choices, gen.export_handle),
+            )
+
+        return await json_response(body)
 
     async def _chunks(
         self, req: ChatCompletionRequest, gen: Generation, head: ResponseHead, with_logprobs: bool

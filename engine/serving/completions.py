@@ -12,7 +12,15 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from engine.errors import UserError
-from engine.serving.generation import Choice, Generation, client_gone, event_stream, handoff_fields, stream_chunk
+from engine.serving.generation import (
+    Choice,
+    Generation,
+    client_gone,
+    event_stream,
+    handoff_fields,
+    json_response,
+    stream_chunk,
+)
 from engine.serving.protocol import MAX_CHOICES, CompletionRequest
 from engine.serving.responses import CompletionLogprobs, ResponseHead, merge_logprobs, new_id, now, usage
 from engine.serving.served_model import ServedModel
@@ -26,9 +34,10 @@ class CompletionsEndpoint:
     def __init__(self, model: ServedModel):
         self.model = model
 
-    def _prompts(self, prompt, n: int) -> list[tuple[list[int], str | None]]:
+    async def _prompts(self, prompt, n: int, max_tokens: int) -> list[tuple[list[int], str | None]]:
+        """Each prompt's token ids (and text), checked one by one: the first that cannot fit fails the request."""
         if isinstance(prompt, list) and not prompt:
-            raise UserError("prompt is an empty list; send a string, a list of strings or token ids")
+            raise UserError("prompt is an empty list; send a string, a list of strings or token ids", param="prompt")
         if isinstance(prompt, str):
             prompts: list = [prompt]
         elif isinstance(prompt[0], list | str):
@@ -42,13 +51,17 @@ class CompletionsEndpoint:
             )
         out = []
         for number, p in enumerate(prompts):
+            numbered = number if len(prompts) > 1 else None
             if isinstance(p, str):
-                out.append((self.model.engine.tokenize(p), p))
+                ids = await self.model.prompt_ids(p, "prompt", numbered)
             else:
                 if not p:
                     where = f"prompt {number}" if len(prompts) > 1 else "the prompt"
-                    raise UserError(f"{where} is an empty token list")
-                out.append((list(p), None))
+                    raise UserError(f"{where} is an empty token list", param="prompt")
+                ids = list(p)
+                self.model.check_prompt(ids, "prompt", numbered)
+            self.model.check_context("max_tokens", max_tokens, ids, numbered)
+            out.append((ids, p if isinstance(p, str) else None))
         return out
 
     async def completions(self, req: CompletionRequest, request: Request):
@@ -58,9 +71,10 @@ class CompletionsEndpoint:
         req.check_supported()
         model.check_healthy()
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
-        prompts = self._prompts(req.prompt, req.n)
-        for number, (ids, _) in enumerate(prompts):
-            model.check_context("max_tokens", max_tokens, ids, number if len(prompts) > 1 else None)
+        prompts = await self._prompts(req.prompt, req.n, max_tokens)
+        if req.logprobs is not None:
+            tokens = [max_tokens + (len(ids) if req.echo else 0) for ids, _ in prompts for _ in range(req.n)]
+            model.check_logprobs_size("logprobs", req.logprobs, tokens)
         choices, numbers = [], []
         for number, (ids, text) in enumerate(prompts):
             for _ in range(req.n):
@@ -74,11 +88,12 @@ class CompletionsEndpoint:
             return event_stream(gen, self._chunks(req, gen, head, prompt_tokens))
         if not await gen.run_to_end():
             return client_gone()
-        choices_out = [self._choice(req, c) for c in choices]
-        return head.body(
-            choices_out,
-            usage=usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
-            **handoff_fields(choices, gen.export_handle),
+        return await json_response(
+            lambda: head.body(
+                [self._choice(req, c) for c in choices],
+                usage=usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
+                **handoff_fields(choices, gen.export_handle),
+            )
         )
 
     def _logprobs_builder(self, req: CompletionRequest) -> CompletionLogprobs:

@@ -245,7 +245,7 @@ class EngineLoop:
                 self._handles.pop(request_id, None)
             if isinstance(exc, UserError):
                 message = f"prompt {item.prompt_number}: {exc}" if sub.numbered else str(exc)
-                error: BaseException = UserError(message)
+                error: BaseException = UserError(message, param=exc.param)
             else:
                 logger.exception("adding a request failed")
                 error = ServerError(500, f"adding the request failed: {type(exc).__name__}: {exc}")

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.core.sequence import SamplingParams, TokenLogprob
 from engine.serving.engine_loop import EngineLoop, EngineRequest, Sink, Update
@@ -227,6 +227,11 @@ def event_stream(gen: Generation, chunks: AsyncIterator[dict]) -> StreamingRespo
     return StreamingResponse(
         body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     )
+
+
+async def json_response(build: Callable[[], dict]) -> JSONResponse:
+    """The body `build` makes, built and rendered on a worker thread: a large one must not stall the other clients."""
+    return await asyncio.to_thread(lambda: JSONResponse(build()))
 
 
 def client_gone() -> Response:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import socket
 import sys
 from collections.abc import Callable
@@ -83,8 +84,17 @@ def start_server(engine: LLMEngine, model_name: str, host: str = "127.0.0.1", po
     )
 
 
+class _Terminated(Exception):
+    """SIGTERM, as uvicorn re-raises it once it has shut down: the stop that was asked for."""
+
+
+def _terminated(*_) -> None:
+    raise _Terminated
+
+
 def serve_engine(engine: LLMEngine, host: str, port: int, model_name: str) -> None:
-    """Serve `engine` in this thread until SIGINT/SIGTERM; then shut the engine down (other ranks exit)."""
+    """Serve `engine` in this thread until SIGINT/SIGTERM (a clean stop: this returns); then shut the engine down
+    (other ranks exit)."""
     engine_loop = EngineLoop(engine)
     try:
         app = OpenAIServer(engine_loop, model_name).app
@@ -96,8 +106,13 @@ def serve_engine(engine: LLMEngine, host: str, port: int, model_name: str) -> No
 
         server = _uvicorn_server(app, engine_loop, banner)
         engine_loop.start()
-        with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it handled: that is our exit
-            server.run(sockets=[sock])
+        previous = signal.signal(signal.SIGTERM, _terminated)
+        try:
+            # uvicorn re-raises the SIGINT or SIGTERM it handled (with this process's own handlers): our exit
+            with contextlib.suppress(KeyboardInterrupt, _Terminated):
+                server.run(sockets=[sock])
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     finally:
         engine_loop.stop()
 

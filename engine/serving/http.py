@@ -68,13 +68,21 @@ class BodyLimitMiddleware:
         await self.app(scope, limited, send)
 
 
+class _BadBody(HTTPException):
+    """A body that cannot be read as the request's JSON (FastAPI re-raises HTTPExceptions from `json()`)."""
+
+    def __init__(self, error: UserError):
+        super().__init__(400, str(error))
+        self.param = error.param
+
+
 class _JSONRequest(Request):
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             try:
                 self._json = parse_json_body(await self.body())
             except UserError as exc:
-                raise HTTPException(400, str(exc)) from None
+                raise _BadBody(exc) from None
         return self._json
 
 
@@ -98,8 +106,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _user_error(_: Request, exc: UserError):
         message = str(exc)
         match = _PARAM_RE.match(message)
+        param = exc.param or (match.group(1) if match else None)
         code = "context_length_exceeded" if "max_model_len" in message else None
-        return JSONResponse(error_body(message, 400, match.group(1) if match else None, code), status_code=400)
+        return JSONResponse(error_body(message, 400, param, code), status_code=400)
 
     @app.exception_handler(ServerError)
     async def _server_error(_: Request, exc: ServerError):
@@ -112,7 +121,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, exc: HTTPException):
-        return JSONResponse(error_body(str(exc.detail), exc.status_code), status_code=exc.status_code)
+        param = getattr(exc, "param", None)
+        body = error_body(str(exc.detail), exc.status_code, param)
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)  # a 405's Allow among them
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

@@ -14,6 +14,7 @@ from engine.errors import UserError
 from engine.serving.chat import ChatEndpoint
 from engine.serving.completions import CompletionsEndpoint
 from engine.serving.engine_loop import EngineLoop
+from engine.serving.generation import json_response
 from engine.serving.http import (
     ERROR_RESPONSES,
     BodyLimitMiddleware,
@@ -41,8 +42,9 @@ class OpenAIServer:
         app.router.route_class = JSONRoute
         app.add_middleware(BodyLimitMiddleware, limit=MAX_BODY_BYTES)
         install_error_handlers(app)
-        app.get("/health")(self.health)
-        app.get("/v1/models")(self.models)
+        for path, handler in (("/health", self.health), ("/v1/models", self.models)):
+            app.get(path)(handler)
+            app.head(path, include_in_schema=False)(handler)  # what load balancers probe with
         app.get("/v1/engine/stats")(self.engine_stats)
         app.get("/tokenizer_info")(self.tokenizer_info)
         app.post("/tokenize", responses=ERROR_RESPONSES)(self.tokenize)
@@ -128,8 +130,9 @@ class OpenAIServer:
 
     async def tokenize(self, req: TokenizeRequest):
         self.model.check_model(req.model)
-        ids = self.model.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
-        return {"tokens": ids, "count": len(ids), "max_model_len": self.model.max_model_len}
+        ids = await self.model.tokenize(req.prompt, req.add_special_tokens)
+        max_model_len = self.model.max_model_len
+        return await json_response(lambda: {"tokens": ids, "count": len(ids), "max_model_len": max_model_len})
 
     async def detokenize(self, req: DetokenizeRequest):
         self.model.check_model(req.model)

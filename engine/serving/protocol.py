@@ -9,6 +9,7 @@ must be finite (Python's JSON parser takes NaN and Infinity) and within their do
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -18,11 +19,14 @@ from engine.errors import UserError
 
 MAX_N = 128  # choices per prompt; more is almost surely a client bug and would flood the batch
 MAX_CHOICES = 4096  # prompts x n of one request: each is a sequence the engine holds until it finishes
+MAX_LOGPROB_ENTRIES = 2**21  # choices x tokens x (top logprobs + 1) of a response: ~45 MB of JSON
+MAX_STOPS = 64  # stop strings of a request (OpenAI takes 4): every one is looked for after every token
+MAX_STOP_CHARS = 256  # characters of one stop string: streaming holds back up to this much text
 MAX_BODY_BYTES = 32 * 2**20  # a request body; a max_model_len prompt of token ids is well under 1 MiB
 ROLES = ("system", "user", "assistant", "tool", "function", "developer")  # OpenAI's chat roles
 
-# finite numbers only, unknown fields ignored
-_REQUEST_CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False)
+# finite numbers only, no coercion between JSON types ("3" is no integer, true no number), unknown fields ignored
+_REQUEST_CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 _StopString = Annotated[str, Field(min_length=1)]
@@ -75,7 +79,7 @@ class _Request(BaseModel):
     min_p: float | None = _unsupported(0)
 
     def check_supported(self) -> None:
-        """UserError for an option set to a value the engine cannot honour."""
+        """UserError for an option set to a value the engine cannot honour, or stop strings beyond the limits."""
         neutral = {
             "presence_penalty": 0.0,
             "frequency_penalty": 0.0,
@@ -90,7 +94,17 @@ class _Request(BaseModel):
         if self.best_of is not None and self.best_of != self.n:
             raise UserError(f"best_of={self.best_of} is not supported; leave it unset and use n for several choices")
         if self.logit_bias:
-            raise UserError("logit_bias is not supported by this server; leave it unset")
+            raise UserError("logit_bias is not supported by this server; leave it unset", param="logit_bias")
+        stops = self.stop_list()
+        if len(stops) > MAX_STOPS:
+            raise UserError(f"stop has {len(stops)} strings; this server takes at most {MAX_STOPS}", param="stop")
+        for number, stop in enumerate(stops):
+            if len(stop) > MAX_STOP_CHARS:
+                where = f"stop.{number}" if isinstance(self.stop, list) else "stop"
+                raise UserError(
+                    f"{where} has {len(stop)} characters; this server takes stop strings of at most {MAX_STOP_CHARS}",
+                    param="stop",
+                )
 
     @property
     def include_usage(self) -> bool:
@@ -101,8 +115,11 @@ class _Request(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
-        """The engine's parameters for one choice (validated by the engine when the request is added)."""
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None, stop_token_ids: frozenset[int]
+    ) -> SamplingParams:
+        """The engine's parameters for one choice (validated by the engine when the request is added); the stop token
+        ids are the request's, checked against the vocabulary."""
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -110,7 +127,7 @@ class _Request(BaseModel):
             top_k=0 if self.top_k is None else self.top_k,
             seed=self.seed,
             stop=self.stop_list(),
-            stop_token_ids=list(self.stop_token_ids or []),
+            stop_token_ids=stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -134,7 +151,7 @@ class CompletionRequest(_Request):
     def check_supported(self) -> None:
         super().check_supported()
         if self.suffix:
-            raise UserError("suffix is not supported by this server; leave it unset")
+            raise UserError("suffix is not supported by this server; leave it unset", param="suffix")
 
 
 class ChatMessage(BaseModel):
@@ -172,7 +189,7 @@ class ChatCompletionRequest(_Request):
 
     def logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
-            raise UserError("top_logprobs needs logprobs=true")
+            raise UserError("top_logprobs needs logprobs=true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
@@ -216,7 +233,8 @@ class ErrorResponse(BaseModel):
 
 
 def parse_json_body(body: bytes) -> Any:
-    """A request body as JSON; UserError (one line) for invalid UTF-8, invalid JSON, or nesting too deep to parse."""
+    """A request body as JSON; UserError (one line) for invalid UTF-8, invalid JSON, nesting too deep to parse, or
+    a string that is not valid Unicode."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -224,11 +242,38 @@ def parse_json_body(body: bytes) -> Any:
             f"the request body is not UTF-8 (byte {body[exc.start]:#04x} at offset {exc.start}); send UTF-8 JSON"
         ) from None
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise UserError(f"the request body is not valid JSON ({exc}); send a JSON object") from None
     except RecursionError:
         raise UserError("the request body nests JSON too deeply to parse; send a JSON object of plain fields") from None
+    if _ESCAPED_SURROGATE.search(text):  # UTF-8 text has none: only a \u escape can make one
+        _check_unicode(value)
+    return value
+
+
+_ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_unicode(value: Any) -> None:
+    """UserError naming the first string (key or value) with a lone UTF-16 surrogate, which UTF-8 cannot encode."""
+    stack: list[tuple[list[str], Any]] = [([], value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, dict):
+            for key, child in reversed(item.items()):
+                stack.append(([*path, key], key))
+                stack.append(([*path, key], child))
+        elif isinstance(item, list):
+            stack.extend(([*path, str(i)], child) for i, child in reversed(list(enumerate(item))))
+        elif isinstance(item, str) and (bad := _SURROGATE.search(item)):
+            where = ".".join(path) or "the request body"
+            raise UserError(
+                f"{where} is not valid Unicode: it has a lone UTF-16 surrogate (\\u{ord(bad.group()):04x} at "
+                f"character {bad.start()}), which cannot be encoded as UTF-8; send valid Unicode text",
+                param=path[0] if path else None,
+            )
 
 
 _UNION_FIELDS = {  # what to say for a field that takes several forms (pydantic reports one error per form)

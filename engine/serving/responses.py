@@ -61,13 +61,19 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def stop_holdback(text: str, stops: list[str]) -> int:
-    """Length of the longest end of `text` that could be the start of a stop string (not yet safe to send)."""
+    """Length of the longest end of `text` that could be the start of a stop string (not yet safe to send).
+
+    Only the last len(stop) - 1 characters can start a stop: the places there that hold the stop's first character
+    are tried in turn, longest end first, so the work grows with the stops' lengths, not with the text's.
+    """
     best = 0
     for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:k]):
-                best = k
+        start = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+        while start != -1 and len(text) - start > best:
+            if stop.startswith(text[start:]):
+                best = len(text) - start
                 break
+            start = text.find(stop[0], start + 1)
     return best
 
 

@@ -192,7 +192,7 @@ class Router:
         try:
             body = parse_json_body(await request.body())
         except UserError as exc:
-            raise ServerError(400, str(exc)) from None
+            raise ServerError(400, str(exc), param=exc.param) from None
         if not isinstance(body, dict):
             raise ServerError(400, "the request body must be a JSON object")
         self.stats.requests += 1
