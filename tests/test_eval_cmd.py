@@ -123,6 +123,8 @@ def test_unknown_task_and_bad_options_fail_before_launch(tmp_path, tiny_llama):
     assert code == 2
     code, text = invoke("gsm8k", plan, "--max-gen-toks", "0", "--data-dir", data)
     assert code == 1 and "--max-gen-toks must be at least 1 (got 0)" in text
+    code, text = invoke("gsm8k", plan, "--data-dir", data, "--output", data + "/test.jsonl")
+    assert code == 1 and "is a file, not a folder" in text  # --output is checked first, not blamed on --data-dir
     assert not any((tmp_path / o).exists() for o in ("o1", "o2"))
 
 

@@ -420,7 +420,13 @@ def test_bad_input_one_line_errors(tmp_path, no_pulled_models):
         ("deepseek-v2-lite", "--device", "h200", "--write", str(tmp_path)): "is a folder",
         ("deepseek-v2-lite", "--device", "h200", "--write", str(tmp_path / "x.yaml"), "--pick", "99"): "--pick 99",
         ("deepseek-v3", "--device", "h200", "--context", "999999"): "exceeds the model's max_position_embeddings",
+        ("deepseek-v2-lite", "--device", "h200", "--devices", "100000"): "over the 1024 a suggestion enumerates",
+        ("deepseek-v2-lite", "--device", "h200", "--write", str(tmp_path / "f" / "x")): "is a file, not a folder",
     }
+    (tmp_path / "f").write_text("a file where --write wants a folder")
+    for top in ("0", "-3"):
+        result = runner.invoke(app, ["plan", "suggest", "deepseek-v2-lite", "--device", "h200", "--top", top])
+        assert result.exit_code == 2 and "--top must be at least 1 row" in result.output
     for args, message in cases.items():
         result = runner.invoke(app, ["plan", "suggest", *args])
         if "999999" in args:  # every layout rejected: the table says why, exit 1
