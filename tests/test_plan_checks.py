@@ -277,3 +277,19 @@ def test_defaults_are_helix_with_a2a_on_replica_layouts_and_silent_without(make_
     plain = check(make_plan, f"model: {{path: {llama_folder}}}\n{cpu}")
     assert plain.valid and not plain.resolved.placement.sharded
     assert not [n for n in plain.problems.notes if "parallel.dense" in n or "dcp_comm_backend" in n]
+
+
+def test_cpu_kv_budget_beyond_this_machines_ram(make_plan, llama_folder, monkeypatch):
+    from engine import devices
+
+    monkeypatch.setattr(devices, "total_memory_bytes", lambda: 8 << 30)
+    monkeypatch.setattr(devices, "available_memory_bytes", lambda: 4 << 30)
+    text = f"model: {{path: {llama_folder}}}\nparallel: {{dcp: 2}}\nlaunch: {{device: cpu}}\n"
+    report = check(make_plan, text + "cache: {memory: 1TB}\n")
+    assert messages(report) == [
+        "cache.memory=1TB x 2 local rank(s) is 1.8 TiB of KV cache, more than this machine's 8.0 GiB of RAM; "
+        "lower cache.memory (or give a fraction of free RAM, e.g. 0.5)"
+    ]
+    report = check(make_plan, text + "cache: {memory: 3GiB}\n")
+    assert report.valid and any("more than the 4.0 GiB of RAM free now" in w for w in report.problems.warnings)
+    assert check(make_plan, text + "cache: {memory: 1GiB}\n").problems.warnings == []

@@ -323,6 +323,22 @@ def _check_devices(problems: PlanProblems, res: ResolvedPlan, here: bool) -> Non
             problems.warnings.append(
                 f"{local} ranks on {cores} CPU cores: ranks share cores (fine for checking correctness, slow for speed)"
             )
+        _check_ram(problems, res, local)
+
+
+def _check_ram(problems: PlanProblems, res: ResolvedPlan, local: int) -> None:
+    """A CPU plan's KV caches on this node: an error beyond the machine's RAM, a warning beyond what is free now."""
+    kv = (res.kv_budget_bytes or 0) * local
+    total, free = devices.total_memory_bytes(), devices.available_memory_bytes()
+    what = f"cache.memory={res.plan.cache.memory} x {local} local rank(s) is {format_bytes(kv)} of KV cache"
+    if total and kv > total:
+        problems.error(
+            "cache.memory",
+            f"{what}, more than this machine's {format_bytes(total)} of RAM; lower cache.memory "
+            "(or give a fraction of free RAM, e.g. 0.5)",
+        )
+    elif free and kv > free:
+        problems.warnings.append(f"{what}, more than the {format_bytes(free)} of RAM free now; the run may fail")
 
 
 def _read_model(problems: PlanProblems, res: ResolvedPlan, strict: bool) -> ModelInfo | None:
