@@ -293,3 +293,21 @@ def test_cpu_kv_budget_beyond_this_machines_ram(make_plan, llama_folder, monkeyp
     report = check(make_plan, text + "cache: {memory: 3GiB}\n")
     assert report.valid and any("more than the 4.0 GiB of RAM free now" in w for w in report.problems.warnings)
     assert check(make_plan, text + "cache: {memory: 1GiB}\n").problems.warnings == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["parallel.dcp=2", "launch.master_addr=999.9.9.9"],
+            "launch.master_addr=999.9.9.9 does not resolve to an address; on one node use 127.0.0.1",
+        ),
+        (["serve.host=999.1.1.1"], "serve.host=999.1.1.1 does not resolve to an address"),
+        (["serve.host=192.0.2.77"], "serve.host=192.0.2.77 (192.0.2.77) is not an address of this machine"),
+    ],
+)
+def test_addresses_this_node_binds_must_be_its_own(make_plan, llama_folder, overrides, message):
+    report = check(make_plan, f"model: {{path: {llama_folder}}}\nlaunch: {{device: cpu}}\n", overrides)
+    assert any(m.startswith(message) for m in messages(report)), messages(report)
+    good = ["parallel.dcp=2", "launch.master_addr=localhost", "serve.host=0.0.0.0"]
+    assert check(make_plan, f"model: {{path: {llama_folder}}}\nlaunch: {{device: cpu}}\n", good).valid

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import socket
 from dataclasses import replace
 from pathlib import Path
 
@@ -307,6 +308,7 @@ def _check_devices(problems: PlanProblems, res: ResolvedPlan, here: bool) -> Non
     local = res.local_world_size
     if not here:
         return
+    _check_addresses(problems, res)
     if res.device == "cuda":
         gpus = devices.cuda_device_count()
         if gpus < local:
@@ -324,6 +326,35 @@ def _check_devices(problems: PlanProblems, res: ResolvedPlan, here: bool) -> Non
                 f"{local} ranks on {cores} CPU cores: ranks share cores (fine for checking correctness, slow for speed)"
             )
         _check_ram(problems, res, local)
+
+
+def _check_addresses(problems: PlanProblems, res: ResolvedPlan) -> None:
+    """The addresses this node binds: a single node's master (torchrun retries one that does not resolve for
+    minutes) and node 0's server must resolve to an address of this machine."""
+    lch, serve = res.plan.launch, res.plan.serve
+    single = lch.nnodes == 1 and not lch.rdzv_endpoint and (res.world_size or 1) > 1
+    if single and (problem := local_address_problem(lch.master_addr)):
+        problems.error(
+            "launch.master_addr", f"launch.master_addr={lch.master_addr} {problem}; on one node use 127.0.0.1"
+        )
+    if lch.node_rank == 0 and (problem := local_address_problem(serve.host)):
+        problems.error(
+            "serve.host", f"serve.host={serve.host} {problem}; use 127.0.0.1, or 0.0.0.0 for every interface"
+        )
+
+
+def local_address_problem(host: str) -> str | None:
+    """Why a socket cannot bind `host` on this machine (it does not resolve, or is not one of its addresses)."""
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError, ValueError):
+        return "does not resolve to an address"
+    try:
+        with socket.socket(family, kind) as sock:
+            sock.bind(address)
+    except OSError:
+        return f"({address[0]}) is not an address of this machine"
+    return None
 
 
 def _check_ram(problems: PlanProblems, res: ResolvedPlan, local: int) -> None:
