@@ -18,7 +18,7 @@ from engine.checkpoints.aliases import is_alias, resolve_model_path
 from engine.checkpoints.model_info import ModelInfo, dtype_bytes, read_model_info
 from engine.errors import UserError
 from engine.kernels import cpu_isa
-from engine.kernels.cpu_paths import BF16_GEMM_ENV, CpuPaths, kernels_wanted, requested_bf16_gemm
+from engine.kernels.cpu_paths import BF16_GEMM_ENV, KERNELS_ENV, CpuPaths, kernels_wanted, requested_bf16_gemm
 from engine.parallel_layout import ParallelLayout, divisors, layout_problems
 from engine.placement.split import COMM_CHOICES, DENSE_PLACEMENTS, DensePlacement
 from engine.plan.kv_sizing import format_bytes, kv_sizing, parse_memory
@@ -205,7 +205,17 @@ def _resolve_cpu_paths(problems: PlanProblems, res: ResolvedPlan) -> None:
     except UserError as exc:
         problems.error(BF16_GEMM_ENV, str(exc))
         return
-    res.cpu_paths = CpuPaths(isa, res.dtype, kernels_wanted(), res.backend, bf16_gemm, res.cache_dtype)
+    try:
+        kernels = kernels_wanted()
+    except UserError as exc:
+        problems.error(KERNELS_ENV, str(exc))
+        return
+    requested = cpu_isa.requested_level()
+    if requested != "auto" and cpu_isa.LEVELS.index(requested) > cpu_isa.LEVELS.index(isa.detected):
+        problems.notes.append(
+            f"{cpu_isa.ENV}={requested} is above this CPU's {isa.detected}: it runs at {isa.detected}"
+        )
+    res.cpu_paths = CpuPaths(isa, res.dtype, kernels, res.backend, bf16_gemm, res.cache_dtype)
 
 
 def _resolve_cpu_comm(problems: PlanProblems, res: ResolvedPlan) -> None:
