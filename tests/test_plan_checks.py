@@ -114,6 +114,11 @@ def test_kv_budget_too_small(make_plan, llama_folder):
 def test_bad_memory_text(make_plan, llama_folder):
     report = check(make_plan, f"model: {{path: {llama_folder}}}\ncache: {{memory: lots}}\n")
     assert messages(report) == ["cache.memory='lots' is not a size like '2GiB', '512MiB' or a fraction like 0.5"]
+    report = check(make_plan, f"model: {{path: {llama_folder}}}\n", ["cache.memory=2.5"])
+    assert messages(report) == [
+        "cache.memory='2.5' is neither a fraction of free memory (at most 1) nor a whole number of bytes; "
+        "write a size with a unit such as '2.5GiB', or a fraction such as 0.5"
+    ]
 
 
 def test_fraction_memory_on_cpu(make_plan, llama_folder):
