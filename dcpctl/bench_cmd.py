@@ -18,6 +18,7 @@ from rich.markup import escape
 
 from dcpctl.args import split_plans_and_overrides
 from dcpctl.render import ProgressFeed, checked_targets, make_console
+from engine.io_utils import writable_folder
 from evals.bench.options import DEFAULT_CONCURRENCY, DEFAULT_INPUT_LEN, BenchOptions, prepare_bench
 from evals.bench.report import BenchReport, TargetBench, caption_lines, render_table, roofline_lines, write_report
 from evals.bench.runner import WARMUP_OUTPUT_LEN, bench_targets, probe_bandwidth
@@ -125,6 +126,8 @@ def bench(
 ) -> None:
     """Throughput, latency and KV capacity of plans (launched in turn) or endpoints under one workload."""
     specs, overrides = split_plans_and_overrides(args)
+    if output is not None:
+        writable_folder(output, "--output")
     if concurrency is None and request_rate is None:
         concurrency = DEFAULT_CONCURRENCY
     opts = BenchOptions(

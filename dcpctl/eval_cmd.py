@@ -15,6 +15,7 @@ from rich.console import Console
 
 from dcpctl.args import split_plans_and_overrides
 from dcpctl.eval_view import run_comparison
+from engine.io_utils import writable_folder
 from evals.evaluate import DEFAULT_NUM_CONCURRENT, EvalOptions
 from evals.launch import DEFAULT_HEALTH_TIMEOUT_S
 from evals.tasks import DATA_DIR_ENV, SUPPORTED_TASKS, resolve_data_dir
@@ -71,6 +72,8 @@ def gsm8k(
     """Run lm-eval gsm8k on each plan (launched in turn) or endpoint, and print one comparison table."""
     del compare  # the targets are always compared; the flag reads well on the command line
     specs, overrides = split_plans_and_overrides(args)
+    if output is not None:
+        writable_folder(output, "--output")
     if num_concurrent < 1:
         raise typer.BadParameter("--num-concurrent must be at least 1")
     opts = EvalOptions(

@@ -47,7 +47,13 @@ def run_comparison(
     with tempfile.TemporaryDirectory(prefix="dcpctl-eval-") as tmp:
         log_path = (output if output is not None else Path(tmp)) / RUN_LOG
         with library_output(log_path, verbose):
-            task = prepare_task(opts.task, opts.data_dir, Path(tmp) / "task", fixed_fewshot=opts.fixed_fewshot)
+            task = prepare_task(
+                opts.task,
+                opts.data_dir,
+                Path(tmp) / "task",
+                fixed_fewshot=opts.fixed_fewshot,
+                num_fewshot=opts.num_fewshot,
+            )
         console.print(f"[bold]task[/] {task.name} on {task.display_name}", highlight=False)
         if task.synthetic:
             console.print("[bold yellow]SYNTHETIC data (not GSM8K): accuracies say nothing about GSM8K[/]")

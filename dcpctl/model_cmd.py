@@ -46,7 +46,7 @@ _MLA = "Sizes (deepseek_v2)"
 
 @app.command()
 def tiny(
-    out: Path = typer.Argument(..., help="Folder to create (must be absent or empty unless --force)."),
+    out: str = typer.Argument(..., help="Folder to create (must be absent or empty unless --force)."),
     arch: Arch = typer.Option(..., "--arch", help="Model architecture."),
     seed: int = typer.Option(0, help="Weight seed; the same seed and sizes give identical files."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty OUT."),

@@ -20,6 +20,7 @@ from dcpctl.suggest_view import render_suggestion, suggestion_to_dict
 from engine import dcp
 from engine.dcp import DcpSpec
 from engine.errors import UserError
+from engine.io_utils import writable_file
 from engine.kv_transfer.summary import HandoffSide
 from engine.plan.checks import validate_plan_file
 from engine.plan.disagg import handoff_side, handoff_summary
@@ -261,6 +262,9 @@ def _render_show(console: Console, res: ResolvedPlan, positions: int) -> None:
         _render_handoff(console, res, positions)
 
 
+MAX_POSITIONS = 65536  # the picture is a character per position
+
+
 @app.command("show")
 def show(
     args: Annotated[list[str], typer.Argument(help="A plan file, then KEY=VALUE overrides.")],
@@ -270,6 +274,8 @@ def show(
     plans, overrides = split_plans_and_overrides(args)
     if len(plans) != 1:
         raise typer.BadParameter("plan show takes exactly one plan file")
+    if not 1 <= positions <= MAX_POSITIONS:
+        raise typer.BadParameter(f"--positions must be 1..{MAX_POSITIONS} (got {positions})")
     check = validate_plan_file(plans[0], overrides)
     console = Console()
     blocking = any(e.field in ("parallel.interleave", "cache.block_size") for e in check.problems.errors)
@@ -321,6 +327,10 @@ def suggest_cmd(
     ] = False,
 ) -> None:
     """Every layout the plan checks accept for MODEL on a cluster, with its capacity and a roofline decode step."""
+    if write is not None:
+        writable_file(write, "--write")
+    if top < 1:
+        raise typer.BadParameter(f"--top must be at least 1 row (got {top})")
     planned = planned_model(model)
     spec = device_spec(
         device,

@@ -33,10 +33,16 @@ def run(
     """Launch the plan's ranks (torchrun for more than one) and serve an OpenAI-compatible API,
     or generate for the given prompts and print a results table. A P/D plan starts its prefill and decode
     instances and serves through a router (or one piece of it, with --role)."""
-    from engine.offline import OfflineJob, read_prompts
+    from engine.io_utils import writable_file
+    from engine.offline import OfflineJob, check_utf8, read_prompts
     from engine.serve_entry import ROLES, launch_ranks, runnable_plan, serve
 
     plans, overrides = split_plans_and_overrides(args)
+    if output is not None:
+        writable_file(output, "--output")
+    check_utf8(list(prompt or []))
+    if seed is not None and seed < 0:
+        raise typer.BadParameter(f"--seed must be 0 or more (got {seed})")
     if len(plans) != 1:
         raise typer.BadParameter("dcpctl run takes one plan file")
     if role not in ROLES:

@@ -31,9 +31,18 @@ def cpu_cores() -> int:
 
 def available_memory_bytes() -> int:
     """MemAvailable from /proc/meminfo (free RAM for new allocations), 0 if unknown."""
+    return _meminfo("MemAvailable")
+
+
+def total_memory_bytes() -> int:
+    """MemTotal from /proc/meminfo (the machine's RAM), 0 if unknown."""
+    return _meminfo("MemTotal")
+
+
+def _meminfo(key: str) -> int:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass

@@ -12,6 +12,7 @@ broadcasts) on CUDA; with `launch.cpu_comm` resolved to shm, a shared-memory seg
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass
 
@@ -24,8 +25,22 @@ from engine.group_comm import GroupComm
 from engine.parallel_layout import ParallelLayout, RankRole
 from engine.placement.split import DensePlacement, RankPlacement, Split
 
-# Collectives between ranks that compute: a dead or stuck rank surfaces as an error, not a hang.
-COLLECTIVE_TIMEOUT_S = float(os.environ.get("DCPCTL_COLLECTIVE_TIMEOUT", "300"))
+TIMEOUT_ENV = "DCPCTL_COLLECTIVE_TIMEOUT"
+
+
+def collective_timeout_s() -> float:
+    """Seconds a collective between computing ranks may wait ($DCPCTL_COLLECTIVE_TIMEOUT, default 300): a dead or
+    stuck rank surfaces as an error, not a hang. A UserError naming the variable for anything but a positive number."""
+    text = os.environ.get(TIMEOUT_ENV, "300")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise UserError(f"{TIMEOUT_ENV}={text!r} must be a positive number of seconds (default 300)")
+    return value
+
+
 # Followers wait on the control group while a server is idle; torchrun ends them if rank 0 dies.
 CONTROL_TIMEOUT_S = 7 * 24 * 3600.0
 
@@ -170,7 +185,7 @@ def init_parallel(
     else:
         device = torch.device("cpu")
     backend = dist_backend if dist_backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
-    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    timeout = datetime.timedelta(seconds=collective_timeout_s())
     dist.init_process_group(backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None)
     context = ParallelContext(
         layout=layout,
@@ -209,7 +224,7 @@ def use_shared_memory(groups: list[dist.ProcessGroup | None], strict: bool) -> s
         # groups of the same ranks share a segment: every rank issues their collectives in the same order
         ranks = tuple(dist.get_process_group_ranks(group))
         if ranks not in by_ranks:
-            by_ranks[ranks] = shm_comm.attach(group, COLLECTIVE_TIMEOUT_S)
+            by_ranks[ranks] = shm_comm.attach(group, collective_timeout_s())
         attached = by_ranks[ranks]
         if isinstance(attached, str):
             if strict:

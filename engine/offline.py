@@ -45,6 +45,8 @@ def read_prompts(path: Path) -> list[str | list[int]]:
         lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     except FileNotFoundError:
         raise UserError(f"prompts file {path} does not exist") from None
+    except IsADirectoryError:
+        raise UserError(f"prompts file {path} is a folder: give the file of prompts") from None
     except UnicodeDecodeError:
         raise UserError(f"prompts file {path} is not UTF-8 text") from None
     if not lines:
@@ -57,6 +59,8 @@ def read_prompts(path: Path) -> list[str | list[int]]:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise UserError(f"{path}:{number}: invalid JSON ({exc.msg})") from None
+        if isinstance(record, dict) and "prompt" in record and "prompt_token_ids" in record:
+            raise UserError(f"{path}:{number}: give either 'prompt' or 'prompt_token_ids', not both")
         if isinstance(record, dict) and isinstance(record.get("prompt"), str):
             prompts.append(record["prompt"])
         elif isinstance(record, dict) and _is_token_list(record.get("prompt_token_ids")):
@@ -69,7 +73,16 @@ def read_prompts(path: Path) -> list[str | list[int]]:
 
 
 def _is_token_list(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) for t in value)
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)  # not bool: true is 1
+
+
+def check_utf8(prompts: list[str], option: str = "--prompt") -> None:
+    """A UserError when a command-line prompt holds bytes that are not UTF-8 (Python keeps them as surrogates)."""
+    for prompt in prompts:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UserError(f"{option} {prompt!r} is not UTF-8 text; pass the prompt as UTF-8") from None
 
 
 def _record(output) -> dict:

@@ -15,7 +15,7 @@ from engine.errors import UserError
 from engine.io_utils import atomic_write_text
 from engine.plan.loader import plan_to_dict
 from evals.endpoint import StatsWatch, engine_stats
-from evals.launch import DEFAULT_HEALTH_TIMEOUT_S
+from evals.launch import DEFAULT_HEALTH_TIMEOUT_S, check_health_timeout
 from evals.lifecycle import Feed, QuietFeed, Served, ServerHook, TargetFeed, measure_target
 from evals.results import EvalRun
 from evals.targets import Target
@@ -46,6 +46,9 @@ class EvalOptions:
             raise UserError(f"--limit must be at least 1 (got {self.limit})")
         if self.max_gen_toks < 1:
             raise UserError(f"--max-gen-toks must be at least 1 (got {self.max_gen_toks})")
+        if self.num_fewshot < 0:
+            raise UserError(f"--num-fewshot must be 0 or more (got {self.num_fewshot})")
+        check_health_timeout(self.health_timeout_s)
 
     @property
     def questions(self) -> str:

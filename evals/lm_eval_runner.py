@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import time
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -203,6 +204,9 @@ def run_gsm8k(
         seed=seed,
     )
 
+    refusals = ServerRefusals()
+    api_log = logging.getLogger("lm_eval.models.api_models")
+    api_log.addHandler(refusals)
     try:
         output, wall_s = evaluate_lm(
             lm,
@@ -216,10 +220,12 @@ def run_gsm8k(
         )
     except Exception as exc:
         if _is_request_error(exc):
-            raise UserError(
-                f"lm-eval's requests to {endpoint} failed ({type(exc).__name__}: {exc}); check the server log"
-            ) from exc
+            _quiet_abandoned_requests()
+            why = f"the server answered: {refusals.reason}" if refusals.reason else f"{type(exc).__name__}: {exc}"
+            raise UserError(f"lm-eval's requests to {endpoint} failed ({why}); check the server log") from exc
         raise
+    finally:
+        api_log.removeHandler(refusals)
     if output_dir is not None:
         write_lm_eval_output(output, Path(output_dir))
     return eval_run_from_lm_eval(
@@ -277,6 +283,41 @@ def evaluate_lm(
     if output is None:
         raise RuntimeError("lm-eval returned no results (not rank 0?)")
     return output, wall_s
+
+
+class ServerRefusals(logging.Handler):
+    """The server's own reason for the last request lm-eval's API client logged as failed (its JSON error message,
+    e.g. a prompt longer than max_model_len), which lm-eval's exception leaves out."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.reason: str | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        _, found, body = record.getMessage().partition("Response text: ")
+        if not found:
+            return
+        try:  # lm-eval appends ". Retrying..." to the body
+            self.reason = str(json.JSONDecoder().raw_decode(body.strip())[0]["error"]["message"])
+        except (ValueError, KeyError, TypeError):
+            self.reason = body.strip()[:300] or None
+
+
+class _AbandonedRequests(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" for lm-eval's request tasks left behind by a failure
+    that is already reported (with the server's reason), which would otherwise print a traceback at exit."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (
+            record.getMessage().startswith("Task exception was never retrieved") and exc and _is_request_error(exc)
+        )
+
+
+def _quiet_abandoned_requests() -> None:
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _AbandonedRequests) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_AbandonedRequests())
 
 
 def _is_request_error(exc: BaseException) -> bool:

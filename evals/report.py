@@ -271,7 +271,8 @@ def accuracy_png(cmp: Comparison) -> bytes:
     ax.set_ylim(0, 1)
     ax.set_ylabel("exact_match")
     ax.set_title(f"{cmp.task}: {cmp.dataset}", fontsize=9)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # no bars (every target failed): no legend, no matplotlib warning
+        ax.legend(fontsize=8)
     if paired:
         _agreement_panel(fig.add_subplot(grid[0, 1]), paired)
     fig.tight_layout()

@@ -68,6 +68,10 @@ def lm_eval_tasks_dir() -> Path:
 
 def validate_data_dir(data_dir: Path) -> None:
     """Check that `data_dir` holds GSM8K-format test.jsonl and train.jsonl; raise UserError if not."""
+    if data_dir.is_file():
+        raise UserError(
+            f"--data-dir {data_dir} is a file; pass the folder holding test.jsonl and train.jsonl ({data_dir.parent})"
+        )
     if not data_dir.is_dir():
         raise UserError(f"GSM8K data dir {data_dir} does not exist; pass a folder with test.jsonl and train.jsonl")
     for fname in SPLIT_FILES:
@@ -189,9 +193,18 @@ def hub_reachable(timeout_s: float = 3.0) -> bool:
         return False
 
 
-def prepare_task(name: str, data_dir: Path | None, work_dir: Path, *, fixed_fewshot: bool = False) -> TaskSpec:
-    """The task spec, with its dataset loaded once so that data problems surface before any launch."""
+def prepare_task(
+    name: str, data_dir: Path | None, work_dir: Path, *, fixed_fewshot: bool = False, num_fewshot: int = 0
+) -> TaskSpec:
+    """The task spec, with its dataset loaded once so that data problems (and more shots than a local data dir's
+    training examples) surface before any launch."""
     spec = gsm8k_task(data_dir, work_dir, name=name, fixed_fewshot=fixed_fewshot)
+    train = train_examples(spec.data_dir) if spec.data_dir is not None else None
+    if train is not None and num_fewshot > train:
+        raise UserError(
+            f"--num-fewshot {num_fewshot} is more than the {train} examples in {spec.data_dir / 'train.jsonl'}; "
+            "lower it or add training examples"
+        )
     if spec.data_dir is None and not hub_reachable():
         offline = any(os.environ.get(v) for v in _OFFLINE_VARS)
         if not offline:
@@ -212,8 +225,21 @@ def prepare_task(name: str, data_dir: Path | None, work_dir: Path, *, fixed_fews
 
 
 def _first_line(path: Path) -> str | None:
-    with path.open("r", encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                return line
+    try:
+        with path.open("r", encoding="utf-8") as fh:
+            for line in fh:
+                if line.strip():
+                    return line
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text; it needs one JSON object per line (GSM8K format)") from None
     return None
+
+
+def train_examples(data_dir: Path) -> int | None:
+    """The examples (non-blank lines) of a data dir's train.jsonl, which the few-shot examples are drawn from; None
+    when it cannot be read (validate_data_dir says why)."""
+    try:
+        with (data_dir / "train.jsonl").open("rb") as fh:
+            return sum(1 for line in fh if line.strip())
+    except OSError:
+        return None

@@ -231,6 +231,16 @@ def test_bad_options_and_targets_fail_before_launch(tmp_path, tiny_llama):
     other = write_plan(tmp_path, tmp_path / "elsewhere", name="other.yaml")
     code, text = invoke(plan, str(other), "--output", str(out))
     assert code == 1 and "elsewhere" in text and "dcpctl model pull" in text
+    code, text = invoke(plan, "--seed", "-5", "--output", str(out))
+    assert code == 1 and "--seed must be 0 or more (got -5)" in text
+    code, text = invoke(plan, "--tokenizer", str(tmp_path / "nowhere"), "--output", str(out))
+    assert code == 1 and "is not a model folder" in text
+    code, text = invoke(plan, "--prompts-file", str(tmp_path), "--output", str(out))
+    assert code == 1 and "is a folder: give the file of prompts" in text
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    code, text = invoke(plan, "--output", str(afile))
+    assert code == 1 and "is a file, not a folder" in text
     assert not out.exists()
 
 

@@ -175,12 +175,34 @@ def test_tiny_refuses_nonempty_out_unless_overwrite(tiny_dir):
         ({"num_heads": 4, "num_kv_heads": 3}, "multiple of num_kv_heads"),
         ({"vocab_size": 100}, "vocab_size must be >="),
         ({"head_dim": 15}, "head_dim must be even"),
+        ({"head_dim": 0}, "head_dim must be >= 1"),
+        ({"head_dim": -2}, "head_dim must be >= 1"),
+        ({"num_kv_heads": 0}, "num_kv_heads must be >= 1"),
+        ({"hidden_size": 30, "num_heads": 4}, r"hidden_size \(30\) must be a multiple of num_heads \(4\)"),
+        ({"rope_theta": float("nan")}, "rope_theta must be a positive finite number"),
+        ({"rope_theta": -1.0}, "rope_theta must be a positive finite number"),
+        ({"arch": "deepseek_v2", "kv_lora_rank": 0}, "kv_lora_rank must be >= 1"),
+        ({"arch": "deepseek_v2", "v_head_dim": 0}, "v_head_dim must be >= 1"),
+        ({"arch": "deepseek_v2", "yarn_factor": 0.0}, "yarn_factor must be a positive finite number"),
+        ({"seed": 10**20}, r"seed must be 0 \.\. 2\*\*63-1"),
+        ({"seed": -1}, "seed must be 0"),
     ],
 )
 def test_tiny_bad_sizes_are_user_errors(tiny_dir, sizes, match):
     with pytest.raises(UserError, match=match):
-        _make(tiny_dir, "bad", "llama", **sizes)
+        _make(tiny_dir, "bad", **{"arch": "llama", **sizes})
     assert not (tiny_dir / "bad").exists()
+
+
+def test_tiny_refuses_an_empty_or_unwritable_out(tiny_dir):
+    from engine.checkpoints.tiny import make_tiny_checkpoint
+
+    with pytest.raises(UserError, match="the output folder is empty"):
+        make_tiny_checkpoint("", "llama", overwrite=True)
+    afile = tiny_dir / "afile"
+    afile.write_text("x")
+    with pytest.raises(UserError, match="is a file, not a folder"):
+        make_tiny_checkpoint(afile / "sub", "llama")
 
 
 def test_tiny_unknown_arch(tiny_dir):

@@ -30,6 +30,13 @@ def test_exit_codes_valid_invalid_usage(make_plan, llama_folder):
     assert runner.invoke(app, ["plan", "validate", "--nope", str(good)]).exit_code == 2
 
 
+def test_show_positions_are_bounded(make_plan, llama_folder):
+    plan = str(make_plan(f"model: {{path: {llama_folder}}}\n"))
+    for positions in ("0", "-5", "100000000"):
+        result = runner.invoke(app, ["plan", "show", plan, "--positions", positions])
+        assert result.exit_code == 2 and "--positions must be 1..65536" in result.output, positions
+
+
 def test_overrides_apply_to_every_plan(make_plan, llama_folder):
     good = make_plan(f"model: {{path: {llama_folder}}}\ncache: {{block_size: 64}}\n")
     result = runner.invoke(app, ["plan", "validate", str(good), "parallel.interleave=48", "--json"])

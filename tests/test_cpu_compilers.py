@@ -102,3 +102,14 @@ def test_a_compiler_without_the_cpus_level_loads_a_lower_build(tmp_path, monkeyp
     assert all(f"the {variant} build failed" in warning for variant in failed), warning
     assert warning.endswith("loaded the portable build") and "\n" not in warning
     assert torch.ops.dcpctl_fallback_test.level() == "portable"
+
+
+def test_a_compiler_that_fails_to_run_is_a_reason_not_a_traceback(tmp_path, monkeypatch):
+    """CXX=/bin/false (torch's `--version` probe fails): build_kernels returns the reason (the engine then warns
+    once and runs on torch's kernels) instead of raising CalledProcessError."""
+    source = tmp_path / "level_probe.cpp"
+    source.write_text(LEVEL_PROBE)
+    monkeypatch.setenv("CXX", "/bin/false")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    reason = cpu_kernels.build_kernels((source,), "dcpctl_false_test", [])
+    assert reason is not None and "/bin/false" in reason and "\n" not in reason

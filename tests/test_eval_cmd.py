@@ -123,6 +123,22 @@ def test_unknown_task_and_bad_options_fail_before_launch(tmp_path, tiny_llama):
     assert code == 2
     code, text = invoke("gsm8k", plan, "--max-gen-toks", "0", "--data-dir", data)
     assert code == 1 and "--max-gen-toks must be at least 1 (got 0)" in text
+    code, text = invoke("gsm8k", plan, "--data-dir", data, "--output", data + "/test.jsonl")
+    assert code == 1 and "is a file, not a folder" in text  # --output is checked first, not blamed on --data-dir
+    code, text = invoke("gsm8k", plan, "--data-dir", data + "/test.jsonl")
+    assert code == 1 and f"is a file; pass the folder holding test.jsonl and train.jsonl ({data})" in text
+    code, text = invoke("gsm8k", plan, "--data-dir", data, "--num-fewshot", "-1")
+    assert code == 1 and "--num-fewshot must be 0 or more (got -1)" in text
+    code, text = invoke("gsm8k", plan, "--data-dir", data, "--health-timeout", "nan")
+    assert code == 1 and "--health-timeout must be a positive number of seconds (got nan)" in text
+    code, text = invoke("gsm8k", plan, "--data-dir", data, "--num-fewshot", "50")
+    assert code == 1 and "--num-fewshot 50 is more than the 3 examples in" in text
+    binary = tmp_path / "binary"
+    binary.mkdir()
+    (binary / "test.jsonl").write_bytes(b"\xff\xfe\x00garbage\n")
+    (binary / "train.jsonl").write_bytes(b"\xff\xfe\x00garbage\n")
+    code, text = invoke("gsm8k", plan, "--data-dir", str(binary))
+    assert code == 1 and "test.jsonl is not UTF-8 text" in text
     assert not any((tmp_path / o).exists() for o in ("o1", "o2"))
 
 

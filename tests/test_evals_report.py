@@ -119,3 +119,14 @@ def test_plan_dir_names_are_safe_and_unique() -> None:
         "x",
         "plan",
     ]
+
+
+def test_every_target_failed_draws_without_a_matplotlib_warning() -> None:
+    import warnings
+
+    from evals.report import accuracy_png
+
+    cmp = compare_runs([EvalRun.failure("plans/tp1.yaml", "the server refused the prompts")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert accuracy_png(cmp)[:4] == b"\x89PNG"

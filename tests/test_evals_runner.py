@@ -428,3 +428,27 @@ def test_parse_real_hf_lm_eval_output(tmp_path: Path) -> None:
             assert s.correct[f] == (raw[(s.doc_id, f)]["exact_match"] == 1.0)
     for f, m in run.metrics.items():
         assert m.value == pytest.approx(sum(s.correct[f] for s in run.samples) / 2)
+
+
+def test_the_servers_reason_for_a_refused_request_is_kept():
+    import logging
+
+    from evals.lm_eval_runner import ServerRefusals, _AbandonedRequests
+
+    refusals = ServerRefusals()
+    log = logging.getLogger("lm_eval.models.api_models.test")
+    log.addHandler(refusals)
+    try:
+        body = {"error": {"message": "the prompt has 1947 tokens but the plan's max_model_len is 256"}}
+        log.warning("API request failed! Status code: 400, Response text: %s. Retrying...", json.dumps(body))
+    finally:
+        log.removeHandler(refusals)
+    assert refusals.reason == "the prompt has 1947 tokens but the plan's max_model_len is 256"
+    import aiohttp
+
+    exc = aiohttp.ClientError("400")
+    record = logging.LogRecord("asyncio", logging.ERROR, "", 0, "Task exception was never retrieved", (), None)
+    record.exc_info = (type(exc), exc, None)
+    assert not _AbandonedRequests().filter(record)
+    record.exc_info = (ValueError, ValueError("mine"), None)
+    assert _AbandonedRequests().filter(record)

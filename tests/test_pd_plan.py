@@ -5,6 +5,7 @@ with the descriptor counts the layouts imply."""
 from __future__ import annotations
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from dcpctl.cli import app
@@ -16,14 +17,25 @@ from tests.conftest import mla_fields, write_config
 runner = CliRunner()
 
 
+def _merged(base: str, extra: str) -> str:
+    """`base` YAML with the sections of `extra` merged over it field by field (a plan may not repeat a key)."""
+    data = yaml.safe_load(base)
+    for section, fields in (yaml.safe_load(extra) or {}).items():
+        data[section] = {**data.get(section, {}), **fields} if isinstance(fields, dict) else fields
+    return yaml.safe_dump(data)
+
+
 def pd_pair(make_plan, prefill_model, decode_model, prefill: str = "", decode: str = "", disagg: str = ""):
     """prefill.yaml and pd.yaml (naming it) in one folder; extra YAML lines per file."""
     make_plan(
-        f"model: {{path: {prefill_model}}}\nlaunch: {{device: cpu}}\ncache: {{memory: 1MiB}}\n{prefill}", "prefill.yaml"
+        _merged(f"model: {{path: {prefill_model}}}\nlaunch: {{device: cpu}}\ncache: {{memory: 1MiB}}\n", prefill),
+        "prefill.yaml",
     )
     return make_plan(
-        f"model: {{path: {decode_model}}}\nlaunch: {{device: cpu}}\ncache: {{memory: 1MiB}}\n{decode}"
-        f"disagg:\n  prefill: prefill.yaml\n{disagg}",
+        _merged(
+            _merged(f"model: {{path: {decode_model}}}\nlaunch: {{device: cpu}}\ncache: {{memory: 1MiB}}\n", decode),
+            f"disagg:\n  prefill: prefill.yaml\n{disagg}",
+        ),
         "pd.yaml",
     )
 

@@ -114,6 +114,11 @@ def test_kv_budget_too_small(make_plan, llama_folder):
 def test_bad_memory_text(make_plan, llama_folder):
     report = check(make_plan, f"model: {{path: {llama_folder}}}\ncache: {{memory: lots}}\n")
     assert messages(report) == ["cache.memory='lots' is not a size like '2GiB', '512MiB' or a fraction like 0.5"]
+    report = check(make_plan, f"model: {{path: {llama_folder}}}\n", ["cache.memory=2.5"])
+    assert messages(report) == [
+        "cache.memory='2.5' is neither a fraction of free memory (at most 1) nor a whole number of bytes; "
+        "write a size with a unit such as '2.5GiB', or a fraction such as 0.5"
+    ]
 
 
 def test_fraction_memory_on_cpu(make_plan, llama_folder):
@@ -277,3 +282,37 @@ def test_defaults_are_helix_with_a2a_on_replica_layouts_and_silent_without(make_
     plain = check(make_plan, f"model: {{path: {llama_folder}}}\n{cpu}")
     assert plain.valid and not plain.resolved.placement.sharded
     assert not [n for n in plain.problems.notes if "parallel.dense" in n or "dcp_comm_backend" in n]
+
+
+def test_cpu_kv_budget_beyond_this_machines_ram(make_plan, llama_folder, monkeypatch):
+    from engine import devices
+
+    monkeypatch.setattr(devices, "total_memory_bytes", lambda: 8 << 30)
+    monkeypatch.setattr(devices, "available_memory_bytes", lambda: 4 << 30)
+    text = f"model: {{path: {llama_folder}}}\nparallel: {{dcp: 2}}\nlaunch: {{device: cpu}}\n"
+    report = check(make_plan, text + "cache: {memory: 1TB}\n")
+    assert messages(report) == [
+        "cache.memory=1TB x 2 local rank(s) is 1.8 TiB of KV cache, more than this machine's 8.0 GiB of RAM; "
+        "lower cache.memory (or give a fraction of free RAM, e.g. 0.5)"
+    ]
+    report = check(make_plan, text + "cache: {memory: 3GiB}\n")
+    assert report.valid and any("more than the 4.0 GiB of RAM free now" in w for w in report.problems.warnings)
+    assert check(make_plan, text + "cache: {memory: 1GiB}\n").problems.warnings == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["parallel.dcp=2", "launch.master_addr=999.9.9.9"],
+            "launch.master_addr=999.9.9.9 does not resolve to an address; on one node use 127.0.0.1",
+        ),
+        (["serve.host=999.1.1.1"], "serve.host=999.1.1.1 does not resolve to an address"),
+        (["serve.host=192.0.2.77"], "serve.host=192.0.2.77 (192.0.2.77) is not an address of this machine"),
+    ],
+)
+def test_addresses_this_node_binds_must_be_its_own(make_plan, llama_folder, overrides, message):
+    report = check(make_plan, f"model: {{path: {llama_folder}}}\nlaunch: {{device: cpu}}\n", overrides)
+    assert any(m.startswith(message) for m in messages(report)), messages(report)
+    good = ["parallel.dcp=2", "launch.master_addr=localhost", "serve.host=0.0.0.0"]
+    assert check(make_plan, f"model: {{path: {llama_folder}}}\nlaunch: {{device: cpu}}\n", good).valid

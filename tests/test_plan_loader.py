@@ -99,3 +99,15 @@ def test_invalid_yaml_and_missing_file(make_plan, tmp_path):
     assert "does not exist" in problem.message
     (problem,) = problems_of(make_plan("- 1\n- 2\n"))
     assert "must be a YAML mapping" in problem.message
+    (problem,) = problems_of(tmp_path / "parallel.dcp")
+    assert problem.message.endswith("it looks like an override missing '=': write parallel.dcp=VALUE")
+    (problem,) = problems_of(tmp_path / "model.yaml")
+    assert "override" not in problem.message
+
+
+def test_duplicate_keys_are_refused_with_their_lines(make_plan):
+    (problem,) = problems_of(make_plan("model: {path: /m}\ncache:\n  memory: 1MiB\n  memory: 2MiB\n"))
+    assert problem.message == "key 'cache.memory' appears twice (lines 3 and 4); keep one of them"
+    assert problem.line == 4
+    (problem,) = problems_of(make_plan("model: {path: /m}\nmodel: {path: /n}\n"))
+    assert "key 'model' appears twice (lines 1 and 2)" in problem.message

@@ -411,6 +411,8 @@ def test_cli_table_json_and_write(tmp_path, monkeypatch, no_pulled_models):
 
 
 def test_bad_input_one_line_errors(tmp_path, no_pulled_models):
+    plan_file = tmp_path / "p.yaml"
+    plan_file.write_text("model: {path: deepseek-v2-lite}\n")
     cases = {
         ("no-such-model",): "is not a checkpoint folder, a config.json or a known model",
         ("deepseek-v2-lite", "--device", "h20"): "did you mean 'h200'",
@@ -420,7 +422,14 @@ def test_bad_input_one_line_errors(tmp_path, no_pulled_models):
         ("deepseek-v2-lite", "--device", "h200", "--write", str(tmp_path)): "is a folder",
         ("deepseek-v2-lite", "--device", "h200", "--write", str(tmp_path / "x.yaml"), "--pick", "99"): "--pick 99",
         ("deepseek-v3", "--device", "h200", "--context", "999999"): "exceeds the model's max_position_embeddings",
+        ("deepseek-v2-lite", "--device", "h200", "--devices", "100000"): "over the 1024 a suggestion enumerates",
+        (str(plan_file), "--device", "h200"): "looks like a plan; MODEL is a checkpoint folder",
+        ("deepseek-v2-lite", "--device", "h200", "--write", str(tmp_path / "f" / "x")): "is a file, not a folder",
     }
+    (tmp_path / "f").write_text("a file where --write wants a folder")
+    for top in ("0", "-3"):
+        result = runner.invoke(app, ["plan", "suggest", "deepseek-v2-lite", "--device", "h200", "--top", top])
+        assert result.exit_code == 2 and "--top must be at least 1 row" in result.output
     for args, message in cases.items():
         result = runner.invoke(app, ["plan", "suggest", *args])
         if "999999" in args:  # every layout rejected: the table says why, exit 1

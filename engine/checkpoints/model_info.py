@@ -94,15 +94,43 @@ def dtype_bytes(name: str) -> int:
 
 def safetensors_entries(folder: Path) -> list[tuple[str, str, int]]:
     """(name, dtype, bytes) of every tensor in a folder's safetensors files, read from their headers only."""
-    entries = []
-    for file in sorted(Path(folder).glob("*.safetensors")):
-        with file.open("rb") as fh:
-            (header_len,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(header_len))
-        for name, meta in header.items():
-            if name != "__metadata__":
-                start, end = meta["data_offsets"]
-                entries.append((name, meta["dtype"], end - start))
+    return [entry for file in sorted(Path(folder).glob("*.safetensors")) for entry in safetensors_file_entries(file)]
+
+
+_REFETCH = "the file is damaged: fetch or convert the checkpoint again"
+_MAX_HEADER = 100_000_000  # the safetensors library's own limit
+
+
+def safetensors_file_entries(file: Path) -> list[tuple[str, str, int]]:
+    """(name, dtype, bytes) of every tensor in one safetensors file, checked against the file's size before
+    anything is read: a UserError naming the file (`git lfs pull` for a Git LFS pointer) when it is not one."""
+    size = file.stat().st_size
+    with file.open("rb") as fh:
+        head = fh.read(8)
+        if head.startswith(b"version "):
+            raise UserError(f"{file} is a Git LFS pointer, not the weights: run `git lfs pull` in the checkpoint repo")
+        header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 2 <= header_len <= min(size - 8, _MAX_HEADER):
+            raise UserError(f"{file} is not a safetensors file (its header length does not fit the file); {_REFETCH}")
+        raw = fh.read(header_len)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise UserError(f"{file} is not a safetensors file (its header is not JSON); {_REFETCH}") from None
+    if not isinstance(header, dict):
+        raise UserError(f"{file} is not a safetensors file (its header is not a JSON object); {_REFETCH}")
+    entries, data_end = [], 0
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, end = (int(x) for x in meta["data_offsets"])
+            entries.append((name, str(meta["dtype"]), end - start))
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"{file}: tensor {name!r} has a malformed header entry; {_REFETCH}") from None
+        data_end = max(data_end, end)
+    if data_end > size - 8 - header_len:
+        raise UserError(f"{file} is truncated ({size} bytes, its header needs {data_end + 8 + header_len}); {_REFETCH}")
     return entries
 
 
@@ -142,6 +170,22 @@ def architecture_of(config: dict, where: Path, supported: tuple[str, ...] = SUPP
     return arch
 
 
+def config_int(config: dict, key: str, where: Path, default: int | None = None, minimum: int = 1) -> int:
+    """config[key] as a whole number >= minimum (`default` when absent or null); a UserError naming the field."""
+    value = config.get(key)
+    if value is None:
+        if default is None:
+            raise UserError(f"{where}: missing field {key!r}; the checkpoint's config.json must give it")
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserError(f"{where}: field {key!r} must be a whole number, not {value!r}")
+    if value < minimum:
+        raise UserError(f"{where}: field {key!r} is {value}; it must be at least {minimum}")
+    return value
+
+
 def read_model_info(folder: str | Path) -> ModelInfo:
     """Read a checkpoint folder's config.json (and weight sizes) into a ModelInfo."""
     folder = Path(folder)
@@ -156,42 +200,39 @@ def model_info_from_config(
     """The ModelInfo of a parsed config.json whose architecture `arch` was checked; `weight_bytes` sizes the
     stored tensors (0: no weights, e.g. a bare config.json)."""
     where = folder / "config.json"
-    try:
-        heads = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
-        is_mla = arch in _MLA_ARCHITECTURES
-        head_dim = int(config.get("head_dim") or hidden // heads)
-        kv_heads = 1 if is_mla else int(config.get("num_key_value_heads") or heads)
-        attention_bias = bool(config.get("attention_bias"))
-        info = ModelInfo(
-            path=folder,
-            architecture=arch,
-            num_layers=int(config["num_hidden_layers"]),
-            hidden_size=hidden,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            vocab_size=int(config["vocab_size"]),
-            max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
-            torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
-            is_mla=is_mla,
-            kv_lora_rank=int(config.get("kv_lora_rank") or 0),
-            qk_rope_head_dim=int(config.get("qk_rope_head_dim") or 0),
-            qk_nope_head_dim=int(config.get("qk_nope_head_dim") or 0),
-            v_head_dim=int(config.get("v_head_dim") or 0),
-            q_lora_rank=int(config.get("q_lora_rank") or 0),
-            intermediate_size=int(config.get("intermediate_size") or 0),
-            moe_intermediate_size=int(config.get("moe_intermediate_size") or 0),
-            n_routed_experts=int(config.get("n_routed_experts") or 0) if is_mla else 0,
-            n_shared_experts=int(config.get("n_shared_experts") or 0) if is_mla else 0,
-            experts_per_token=int(config.get("num_experts_per_tok") or 0) if is_mla else 0,
-            first_k_dense_replace=int(config.get("first_k_dense_replace") or 0) if is_mla else 0,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
-            o_bias=attention_bias,
-            mlp_bias=bool(config.get("mlp_bias")) and not is_mla,
-            weight_bytes=weight_bytes(),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise UserError(f"{where}: missing or malformed field {exc}") from None
-    return info
+    is_mla = arch in _MLA_ARCHITECTURES
+
+    def size(key: str, default: int | None = None, minimum: int = 1) -> int:
+        return config_int(config, key, where, default, minimum)
+
+    heads = size("num_attention_heads")
+    hidden = size("hidden_size")
+    return ModelInfo(
+        path=folder,
+        architecture=arch,
+        num_layers=size("num_hidden_layers"),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=1 if is_mla else size("num_key_value_heads", heads),
+        head_dim=size("head_dim", hidden // heads),
+        vocab_size=size("vocab_size"),
+        max_position_embeddings=size("max_position_embeddings", 2048),
+        torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
+        is_mla=is_mla,
+        kv_lora_rank=size("kv_lora_rank", minimum=1) if is_mla else 0,
+        qk_rope_head_dim=size("qk_rope_head_dim", minimum=1) if is_mla else 0,
+        qk_nope_head_dim=size("qk_nope_head_dim", 0, minimum=0) if is_mla else 0,
+        v_head_dim=size("v_head_dim", minimum=1) if is_mla else 0,
+        q_lora_rank=size("q_lora_rank", 0, minimum=0),
+        intermediate_size=size("intermediate_size", 0, minimum=0),
+        moe_intermediate_size=size("moe_intermediate_size", 0, minimum=0),
+        n_routed_experts=size("n_routed_experts", 0, minimum=0) if is_mla else 0,
+        n_shared_experts=size("n_shared_experts", 0, minimum=0) if is_mla else 0,
+        experts_per_token=size("num_experts_per_tok", 0, minimum=0) if is_mla else 0,
+        first_k_dense_replace=size("first_k_dense_replace", 0, minimum=0) if is_mla else 0,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=bool(config.get("attention_bias")) or arch == "Qwen2ForCausalLM",
+        o_bias=bool(config.get("attention_bias")),
+        mlp_bias=bool(config.get("mlp_bias")) and not is_mla,
+        weight_bytes=weight_bytes(),
+    )

@@ -29,7 +29,7 @@ from engine.checkpoints.aliases import (
 )
 from engine.checkpoints.tiny import make_readable, quiet_hf
 from engine.errors import UserError
-from engine.io_utils import atomic_write_text
+from engine.io_utils import atomic_write_text, writable_folder
 
 _HUB_PATTERNS = [
     "config.json",
@@ -76,6 +76,7 @@ def _pull(target: Path, console: Any, build_fn: Any) -> Path:
         raise UserError(
             f"{target} exists but is not a complete pull (no {COMPLETE_MARKER}): remove it or pick another --dest"
         )
+    writable_folder(target, "model folder")  # e.g. DCPCTL_CACHE or --dest under /proc
     target.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.partial-") as work:

@@ -20,6 +20,7 @@ from typing import Any
 
 from engine.checkpoints.tiny_tokenizer import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
 from engine.errors import UserError
+from engine.io_utils import writable_folder
 
 ARCHS = ("llama", "qwen2", "deepseek_v2")
 
@@ -90,6 +91,10 @@ def make_tiny_checkpoint(
     Size options are those of `default_sizes(arch)`; the same seed and sizes give byte-identical files. The
     folder appears whole (built alongside, then renamed); an existing non-empty `out` needs `overwrite=True`.
     """
+    if not str(out).strip():
+        raise UserError("the output folder is empty: give a folder path such as models/tiny-llama")
+    if not 0 <= seed < 2**63:
+        raise UserError(f"seed must be 0 .. 2**63-1 (got {seed})")
     out = Path(out).expanduser()
     resolved = _resolve_sizes(arch, sizes)
     _check_out(out, overwrite)
@@ -186,19 +191,28 @@ def _resolve_sizes(arch: str, sizes: dict[str, Any]) -> dict[str, Any]:
         )
     resolved.update(sizes)
     r = resolved
-    for key in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings"):
+    positive = ["hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings"]
+    mla = arch == "deepseek_v2"
+    positive += ["kv_lora_rank", "qk_rope_head_dim", "v_head_dim"] if mla else ["num_kv_heads", "head_dim"]
+    for key in positive:
         if int(r[key]) < 1:
             raise UserError(f"{key} must be >= 1 (got {r[key]})")
+    for key in ("qk_nope_head_dim", "n_routed_experts", "n_shared_experts", "first_k_dense_replace"):
+        if key in r and int(r[key]) < 0:
+            raise UserError(f"{key} must be >= 0 (got {r[key]})")
+    for key in ("rope_theta", "yarn_factor", "routed_scaling_factor", "mscale", "mscale_all_dim"):
+        if key in r and not (math.isfinite(r[key]) and r[key] > 0):
+            raise UserError(f"{key} must be a positive finite number (got {r[key]})")
+    if arch != "qwen2" and r["hidden_size"] % r["num_heads"]:  # LlamaConfig and DeepseekV2Config check it
+        raise UserError(
+            f"hidden_size ({r['hidden_size']}) must be a multiple of num_heads ({r['num_heads']}) for transformers' "
+            f"{arch} config"
+        )
     if r["vocab_size"] < MIN_VOCAB:
         raise UserError(f"vocab_size must be >= {MIN_VOCAB} for the byte-level tokenizer (got {r['vocab_size']})")
     if arch == "deepseek_v2":
         if r["q_lora_rank"] == 0:
             r["q_lora_rank"] = None
-        if r["hidden_size"] % r["num_heads"]:
-            raise UserError(
-                f"hidden_size ({r['hidden_size']}) must be a multiple of num_heads ({r['num_heads']}) "
-                "for transformers' DeepseekV2Config"
-            )
         if r["qk_rope_head_dim"] % 2:
             raise UserError(f"qk_rope_head_dim must be even (got {r['qk_rope_head_dim']})")
         if r["n_routed_experts"] and not 1 <= r["num_experts_per_tok"] <= r["n_routed_experts"]:
@@ -304,6 +318,7 @@ def _check_out(out: Path, overwrite: bool) -> None:
         raise UserError(f"{out} exists and is not a folder: pick another output path")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise UserError(f"{out} already exists and is not empty: pick another folder or overwrite it (--force)")
+    writable_folder(out, "output folder")
 
 
 def _move_into_place(build: Path, out: Path, work: Path) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.checkpoints.model_info import safetensors_file_entries
 from engine.errors import UserError
 
 
@@ -50,6 +51,8 @@ def checkpoint_files(folder: Path) -> list[Path]:
     missing = [f.name for f in files if not f.is_file()]
     if missing:
         raise UserError(f"{folder}: the index names missing weight files: {', '.join(missing)}")
+    for file in files:
+        safetensors_file_entries(file)  # a damaged file is a clear error before any tensor is read
     return files
 
 

@@ -31,6 +31,20 @@ from engine.runtime.step import ScheduledStep
 logger = logging.getLogger("dcpctl.engine")
 
 
+def load_tokenizer(folder: Path):
+    """The checkpoint's HF tokenizer; a UserError naming the folder when its tokenizer files are missing or broken."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (ValueError, OSError) as exc:  # json.JSONDecodeError is a ValueError
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(
+            f"{folder}: its tokenizer cannot be loaded ({reason}); the folder needs a valid tokenizer.json "
+            "(and tokenizer_config.json): copy them from the model's repository"
+        ) from None
+
+
 def _eos_ids(folder: Path, hf_config, tokenizer) -> set[int]:
     from transformers import GenerationConfig
 
@@ -74,12 +88,12 @@ class LLMEngine:
         runner: ModelRunner,
         prefill_ranks: list[RankEndpoint] | None = None,
     ):
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
 
         self.config = config
         self.par = par
         self.runner = runner
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.tokenizer = load_tokenizer(config.model_path)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_ids = _eos_ids(config.model_path, AutoConfig.from_pretrained(config.model_path), self.tokenizer)
         cache = runner.cache_layout

@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -86,7 +87,7 @@ def build_kernels(sources: tuple[Path, ...], name: str, cflags: list[str]) -> st
     try:
         paths = [str(source) for source in sources]
         load(name, sources=paths, extra_cflags=cflags, build_directory=str(build_dir), is_python_module=False)
-    except (OSError, RuntimeError, ImportError) as exc:
+    except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as exc:  # a compiler that fails
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(": [")[0]
         if exc.__cause__ is not None:  # a library that built but does not load: the loader's reason, after its path
             reason = (str(exc.__cause__).strip().splitlines() or [""])[0].split(": ", 1)[-1]

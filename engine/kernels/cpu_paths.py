@@ -33,9 +33,15 @@ BF16_GEMM_ENV = "DCPCTL_BF16_GEMM"
 BF16_GEMMS = ("auto", "onednn", "panels")
 
 
+KERNELS_ENV = "DCPCTL_CPU_KERNELS"
+
+
 def kernels_wanted() -> bool:
-    """False when DCPCTL_CPU_KERNELS=0 opts out of the engine's C++ kernels."""
-    return os.environ.get("DCPCTL_CPU_KERNELS", "1") != "0"
+    """False when DCPCTL_CPU_KERNELS=0 opts out of the engine's C++ kernels; a UserError for a value not 0 or 1."""
+    value = os.environ.get(KERNELS_ENV, "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise UserError(f"{KERNELS_ENV}={value!r} is not 0 (torch's kernels) or 1 (the engine's, the default)")
+    return value == "1"
 
 
 def requested_bf16_gemm() -> str:

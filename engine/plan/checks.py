@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import socket
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from engine.checkpoints.aliases import is_alias, resolve_model_path
 from engine.checkpoints.model_info import ModelInfo, dtype_bytes, read_model_info
 from engine.errors import UserError
 from engine.kernels import cpu_isa
-from engine.kernels.cpu_paths import BF16_GEMM_ENV, CpuPaths, kernels_wanted, requested_bf16_gemm
+from engine.kernels.cpu_paths import BF16_GEMM_ENV, KERNELS_ENV, CpuPaths, kernels_wanted, requested_bf16_gemm
 from engine.parallel_layout import ParallelLayout, divisors, layout_problems
 from engine.placement.split import COMM_CHOICES, DENSE_PLACEMENTS, DensePlacement
 from engine.plan.kv_sizing import format_bytes, kv_sizing, parse_memory
@@ -204,7 +205,17 @@ def _resolve_cpu_paths(problems: PlanProblems, res: ResolvedPlan) -> None:
     except UserError as exc:
         problems.error(BF16_GEMM_ENV, str(exc))
         return
-    res.cpu_paths = CpuPaths(isa, res.dtype, kernels_wanted(), res.backend, bf16_gemm, res.cache_dtype)
+    try:
+        kernels = kernels_wanted()
+    except UserError as exc:
+        problems.error(KERNELS_ENV, str(exc))
+        return
+    requested = cpu_isa.requested_level()
+    if requested != "auto" and cpu_isa.LEVELS.index(requested) > cpu_isa.LEVELS.index(isa.detected):
+        problems.notes.append(
+            f"{cpu_isa.ENV}={requested} is above this CPU's {isa.detected}: it runs at {isa.detected}"
+        )
+    res.cpu_paths = CpuPaths(isa, res.dtype, kernels, res.backend, bf16_gemm, res.cache_dtype)
 
 
 def _resolve_cpu_comm(problems: PlanProblems, res: ResolvedPlan) -> None:
@@ -307,6 +318,7 @@ def _check_devices(problems: PlanProblems, res: ResolvedPlan, here: bool) -> Non
     local = res.local_world_size
     if not here:
         return
+    _check_addresses(problems, res)
     if res.device == "cuda":
         gpus = devices.cuda_device_count()
         if gpus < local:
@@ -323,6 +335,51 @@ def _check_devices(problems: PlanProblems, res: ResolvedPlan, here: bool) -> Non
             problems.warnings.append(
                 f"{local} ranks on {cores} CPU cores: ranks share cores (fine for checking correctness, slow for speed)"
             )
+        _check_ram(problems, res, local)
+
+
+def _check_addresses(problems: PlanProblems, res: ResolvedPlan) -> None:
+    """The addresses this node binds: a single node's master (torchrun retries one that does not resolve for
+    minutes) and node 0's server must resolve to an address of this machine."""
+    lch, serve = res.plan.launch, res.plan.serve
+    single = lch.nnodes == 1 and not lch.rdzv_endpoint and (res.world_size or 1) > 1
+    if single and (problem := local_address_problem(lch.master_addr)):
+        problems.error(
+            "launch.master_addr", f"launch.master_addr={lch.master_addr} {problem}; on one node use 127.0.0.1"
+        )
+    if lch.node_rank == 0 and (problem := local_address_problem(serve.host)):
+        problems.error(
+            "serve.host", f"serve.host={serve.host} {problem}; use 127.0.0.1, or 0.0.0.0 for every interface"
+        )
+
+
+def local_address_problem(host: str) -> str | None:
+    """Why a socket cannot bind `host` on this machine (it does not resolve, or is not one of its addresses)."""
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError, ValueError):
+        return "does not resolve to an address"
+    try:
+        with socket.socket(family, kind) as sock:
+            sock.bind(address)
+    except OSError:
+        return f"({address[0]}) is not an address of this machine"
+    return None
+
+
+def _check_ram(problems: PlanProblems, res: ResolvedPlan, local: int) -> None:
+    """A CPU plan's KV caches on this node: an error beyond the machine's RAM, a warning beyond what is free now."""
+    kv = (res.kv_budget_bytes or 0) * local
+    total, free = devices.total_memory_bytes(), devices.available_memory_bytes()
+    what = f"cache.memory={res.plan.cache.memory} x {local} local rank(s) is {format_bytes(kv)} of KV cache"
+    if total and kv > total:
+        problems.error(
+            "cache.memory",
+            f"{what}, more than this machine's {format_bytes(total)} of RAM; lower cache.memory "
+            "(or give a fraction of free RAM, e.g. 0.5)",
+        )
+    elif free and kv > free:
+        problems.warnings.append(f"{what}, more than the {format_bytes(free)} of RAM free now; the run may fail")
 
 
 def _read_model(problems: PlanProblems, res: ResolvedPlan, strict: bool) -> ModelInfo | None:

@@ -37,6 +37,11 @@ def parse_memory(text: str) -> tuple[int | None, float | None]:
         if value <= 0:
             raise UserError(f"cache.memory={text!r} must be positive")
         return None, value
+    if not unit and not value.is_integer():
+        raise UserError(
+            f"cache.memory={text!r} is neither a fraction of free memory (at most 1) nor a whole number of bytes; "
+            f"write a size with a unit such as '{text}GiB', or a fraction such as 0.5"
+        )
     return int(value * _UNITS[unit]), None
 
 

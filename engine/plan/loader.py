@@ -7,7 +7,7 @@ missing required fields), each naming the file and line it came from.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -68,15 +68,28 @@ class LoadedPlan:
         return self.origins.get(key, (str(self.source), None))
 
 
+class DuplicateKeyError(ValueError):
+    """A key given twice in one YAML mapping (YAML would silently keep the last value)."""
+
+    def __init__(self, key: str, first: int, again: int):
+        super().__init__(f"key {key!r} appears twice (lines {first} and {again}); keep one of them")
+        self.line = again
+
+
 def _key_lines(node: yaml.Node, prefix: str = "", seen: set[int] | None = None) -> dict[str, int]:
-    """Dotted key -> line; a mapping reached again through an alias is walked once."""
+    """Dotted key -> line; a mapping reached again through an alias is walked once. DuplicateKeyError for a key
+    given twice in one mapping."""
     seen = set() if seen is None else seen
     lines: dict[str, int] = {}
     if isinstance(node, yaml.MappingNode) and id(node) not in seen:
         seen.add(id(node))
+        here: dict[str, int] = {}
         for key_node, value_node in node.value:
             key = f"{prefix}{key_node.value}"
-            lines[key] = key_node.start_mark.line + 1
+            line = key_node.start_mark.line + 1
+            if key in here and key_node.value != "<<":
+                raise DuplicateKeyError(key, here[key], line)
+            here[key] = lines[key] = line
             lines.update(_key_lines(value_node, key + ".", seen))
     return lines
 
@@ -106,7 +119,11 @@ def _read_text(path: Path) -> str:
         with path.open("rb") as f:
             raw = f.read(MAX_PLAN_BYTES + 1)
     except FileNotFoundError:
-        raise _problem(path, f"plan file {path} does not exist") from None
+        hint = ""
+        section, dot, _ = path.name.partition(".")
+        if dot and section in {f.name for f in fields(Plan)} and path.suffix not in (".yaml", ".yml"):
+            hint = f"; it looks like an override missing '=': write {path.name}=VALUE"
+        raise _problem(path, f"plan file {path} does not exist{hint}") from None
     except OSError as exc:
         raise _problem(path, f"cannot read {path}: {exc.strerror}") from None
     if len(raw) > MAX_PLAN_BYTES:
@@ -139,9 +156,12 @@ def _read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
         raise _problem(path, "a plan must be a YAML mapping of sections", 1)
     try:
         flat = _flatten(data)
+        lines = _key_lines(node) if node is not None else {}
+    except DuplicateKeyError as exc:
+        raise _problem(path, str(exc), exc.line) from None
     except ValueError as exc:
         raise _problem(path, str(exc)) from None
-    return flat, _key_lines(node) if node is not None else {}
+    return flat, lines
 
 
 def _collect_files(path: Path, seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict[str, Any], dict[str, int]]]:

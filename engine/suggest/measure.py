@@ -149,11 +149,18 @@ DECODE_FIGURES = (
 
 def _cached(path: Path, key: dict) -> dict:
     """The cache file's entry for this machine ({} when absent, unreadable, another machine's or measured the way
-    an older `CACHE_VERSION` did)."""
+    an older `CACHE_VERSION` did); a UserError when the file holds something else, which it would overwrite."""
     try:
         cached = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError):
+        cached = None
+    if not (isinstance(cached, dict) and "machine" in cached):
+        raise UserError(
+            f"{path} is not dcpctl's CPU figures file (DCPCTL_CPU_FIGURES); point DCPCTL_CPU_FIGURES at a new "
+            "file, or remove it to measure again"
+        )
     same = isinstance(cached, dict) and cached.get("machine") == key and cached.get("version") == CACHE_VERSION
     return cached if same else {}
 

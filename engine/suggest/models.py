@@ -181,6 +181,11 @@ def planned_model(spec: str) -> PlannedModel:
     """The model named by `spec`: a checkpoint folder, a bare config.json, an alias, or a shipped model's name or
     hub id; a UserError names the choices when it is none of them."""
     path = Path(spec).expanduser()
+    if path.is_file() and path.suffix in (".yaml", ".yml"):
+        raise UserError(
+            f"{path} looks like a plan; MODEL is a checkpoint folder, a config.json or a known model "
+            "(e.g. the plan's model.path)"
+        )
     if path.is_file():
         return _from_config(_read_json(path), path.parent, str(path.parent.resolve()), f"{path}", False)
     folder = resolve_model_path(spec)

@@ -61,8 +61,14 @@ class Request:
             raise UserError(f"--optimize {self.objective!r} is not one of {', '.join(OBJECTIVES)}")
         if self.cluster.devices < 1 or self.cluster.nodes < 1:
             raise UserError("--devices and --nodes must be >= 1")
+        if self.cluster.total > MAX_DEVICES:
+            raise UserError(
+                f"--devices x --nodes is {self.cluster.total} devices, over the {MAX_DEVICES} a suggestion enumerates "
+                "in reasonable time; plan a slice of the cluster (e.g. one node) and run it as data-parallel copies"
+            )
 
 
+MAX_DEVICES = 1024  # the whole cluster; the grid grows with its divisors (4096 devices took minutes)
 DEFAULT_DENSE = ParallelSection.dense  # the placement a plan gets without parallel.dense
 
 

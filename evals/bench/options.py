@@ -9,7 +9,7 @@ from typing import Any
 
 from engine.errors import UserError
 from evals.bench.workload import Workload, build_workload, load_tokenizer
-from evals.launch import DEFAULT_HEALTH_TIMEOUT_S
+from evals.launch import DEFAULT_HEALTH_TIMEOUT_S, check_health_timeout
 from evals.targets import Target
 
 DEFAULT_INPUT_LEN = 512
@@ -44,6 +44,11 @@ class BenchOptions:
             raise UserError(f"--concurrency must be at least 1 (got {self.concurrency})")
         if self.request_rate is not None and not self.request_rate > 0:
             raise UserError(f"--request-rate must be positive requests/s (got {self.request_rate})")
+        if self.seed < 0:
+            raise UserError(f"--seed must be 0 or more (got {self.seed})")
+        if self.tokenizer is not None and not self.tokenizer.is_dir():
+            raise UserError(f"--tokenizer {self.tokenizer} is not a model folder; give the folder with tokenizer.json")
+        check_health_timeout(self.health_timeout_s)
         if self.warmup < 0:
             raise UserError(f"--warmup must be 0 or more requests (got {self.warmup})")
 
