@@ -16,6 +16,18 @@ from engine.plan.resolved import ResolvedPlan
 from engine.plan.schema import ATTENTION_BACKENDS, CPU_COMMS, DEVICES, DIST_BACKENDS, DTYPES
 from engine.plan.validation import PlanProblems
 
+# The fields whose value is one of a few names (the docs' plan reference lists them from here).
+FIELD_CHOICES: dict[str, tuple[str, ...]] = {
+    "model.dtype": DTYPES,
+    "cache.dtype": DTYPES,
+    "attention.backend": ATTENTION_BACKENDS,
+    "launch.device": DEVICES,
+    "launch.dist_backend": DIST_BACKENDS,
+    "launch.cpu_comm": CPU_COMMS,
+    "parallel.dense": DENSE_PLACEMENTS,
+    "parallel.dcp_comm_backend": COMM_CHOICES,
+}
+
 
 def _choice(problems: PlanProblems, key: str, value: str, choices: tuple[str, ...]) -> bool:
     if value in choices:
@@ -47,13 +59,10 @@ def check_fields(problems: PlanProblems, res: ResolvedPlan) -> None:
             f"parallel.interleave={p.interleave} does not divide cache.block_size={c.block_size}; "
             f"use one of {_listing(divisors(c.block_size))}",
         )
-    _choice(problems, "model.dtype", plan.model.dtype, DTYPES)
-    _choice(problems, "cache.dtype", c.dtype, DTYPES)
-    _choice(problems, "attention.backend", plan.attention.backend, ATTENTION_BACKENDS)
-    _choice(problems, "launch.device", lch.device, DEVICES)
-    _choice(problems, "launch.dist_backend", lch.dist_backend, DIST_BACKENDS)
-    _choice(problems, "launch.cpu_comm", lch.cpu_comm, CPU_COMMS)
-    _choice(problems, "parallel.dense", p.dense, DENSE_PLACEMENTS)
+    for key, choices in FIELD_CHOICES.items():
+        section, name = key.split(".")
+        if key != "parallel.dcp_comm_backend":  # below: SGLang's fi_a2a gets a fix of its own
+            _choice(problems, key, getattr(getattr(plan, section), name), choices)
     if p.dcp_comm_backend == "fi_a2a":
         problems.error(
             "parallel.dcp_comm_backend",
@@ -61,7 +70,7 @@ def check_fields(problems: PlanProblems, res: ResolvedPlan) -> None:
             "use a2a (one all_to_all over the DCP group) or ag_rs",
         )
     else:
-        _choice(problems, "parallel.dcp_comm_backend", p.dcp_comm_backend, COMM_CHOICES)
+        _choice(problems, "parallel.dcp_comm_backend", p.dcp_comm_backend, FIELD_CHOICES["parallel.dcp_comm_backend"])
     if p.dcp == 1 and p.dcp_comm_backend == "a2a":
         problems.notes.append("parallel.dcp_comm_backend=a2a has no effect with parallel.dcp=1")
     if s.max_num_seqs < 1:
