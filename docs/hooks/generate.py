@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(
     r"^<!-- dcpctl (?P<args>.+?)(?: \| exit (?P<code>\d+))?(?: \| from (?P<start>.+?))? -->$", re.MULTILINE
 )
-OUTPUT_COLUMNS = 110
+OUTPUT_COLUMNS = 130
 
 
 def on_config(config: Any) -> Any:
