@@ -91,7 +91,7 @@ def test_cli_reference_lists_every_command_and_option(generate):
     page = generate.cli_reference()
     for path, command in generate._commands(typer.main.get_command(app), ["dcpctl"]):
         if not getattr(command, "commands", None):
-            assert f"### `{' '.join(path)}`" in page
+            assert f"## `{' '.join(path)}`" in page
             for param in command.params:
                 if not type(param).__name__.endswith("Argument") and not param.hidden:
                     assert f"`{' / '.join([*param.opts, *param.secondary_opts])}`" in page

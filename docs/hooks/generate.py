@@ -267,13 +267,13 @@ def cli_reference() -> str:
     for path, command in _commands(root, ["dcpctl"]):
         if getattr(command, "commands", None):
             if len(path) > 1:
-                out += [f"## `{' '.join(path)}`", "", (command.help or "").strip(), ""]
+                out += [f"`{' '.join(path)} ...`: {(command.help or '').strip()}", ""]
             continue
         usage = [" ".join(path)]
         for param in command.params:
             if type(param).__name__.endswith("Argument"):
                 usage.append(param.name.upper() + ("..." if param.nargs == -1 else ""))
-        out += [f"### `{' '.join(path)}`", "", f"`{' '.join(usage)} [OPTIONS]`", "", (command.help or "").strip(), ""]
+        out += [f"## `{' '.join(path)}`", "", f"`{' '.join(usage)} [OPTIONS]`", "", (command.help or "").strip(), ""]
         rows = []
         for param in command.params:
             if getattr(param, "hidden", False):
