@@ -4,8 +4,10 @@
   the server's FastAPI apps and the environment-variable registry, so they cannot drift from the code. A plan
   field without a description in `engine/plan/schema.py` fails the build.
 - `on_page_markdown` replaces each `<!-- dcpctl ARGS -->` line of a page with a text block holding the command
-  and its real output, run in-process at build time (fast commands only: plan validate/show/suggest). Append
-  `| exit N` when the command is meant to fail with exit code N, and `| from TEXT` to show the output from the
+  and its real output, run in-process at build time against a model cache of config.json-only folders of the shipped
+  models (what the plan checks read), so that every machine draws the same pictures whether or not it has pulled
+  the weights; the output names the cache by its default location (fast commands only: plan validate/show/suggest).
+  Append `| exit N` when the command is meant to fail with exit code N, and `| from TEXT` to show the output from the
   first line that contains TEXT.
 
 The repository root goes first on sys.path, so that a worktree's own code is documented, not an installed copy.
@@ -63,15 +65,53 @@ def reference_pages() -> dict[str, str]:
 # --- real command output ---------------------------------------------------------------------------------------
 
 
+_STANDIN_CACHE: list[Path] = []
+
+
+def standin_model_cache() -> Path:
+    """A model cache (made once per build) holding each shipped model that has an alias as a config.json-only
+    folder, at the place `dcpctl model pull` would put it."""
+    import atexit
+    import json
+    import os
+    import shutil
+    import tempfile
+
+    from engine.checkpoints.aliases import is_alias, resolve_model_path
+    from engine.suggest.models import SHIPPED
+
+    if not _STANDIN_CACHE:
+        root = Path(tempfile.mkdtemp(prefix="dcpctl-docs-"))
+        atexit.register(shutil.rmtree, root, True)
+        cache = root / "models"
+        saved = os.environ.get("DCPCTL_CACHE")
+        os.environ["DCPCTL_CACHE"] = str(cache)
+        try:
+            for model in SHIPPED.values():
+                if is_alias(model.name):
+                    folder = resolve_model_path(model.name)
+                    folder.mkdir(parents=True, exist_ok=True)
+                    (folder / "config.json").write_text(json.dumps(model.config))
+        finally:
+            if saved is None:
+                os.environ.pop("DCPCTL_CACHE")
+            else:
+                os.environ["DCPCTL_CACHE"] = saved
+        _STANDIN_CACHE.append(cache)
+    return _STANDIN_CACHE[0]
+
+
 def run_dcpctl(args: list[str]) -> tuple[int, str]:
-    """`dcpctl ARGS` run in this process (rich output at a fixed width, no colour): exit code and output."""
+    """`dcpctl ARGS` run in this process (rich output at a fixed width, no colour) against the stand-in model
+    cache: exit code and output, the cache named by its default location."""
     import os
 
     from typer.testing import CliRunner
 
     from dcpctl.cli import app
 
-    env = {"COLUMNS": str(OUTPUT_COLUMNS), "NO_COLOR": "1", "TERM": "dumb"}
+    cache = standin_model_cache()
+    env = {"COLUMNS": str(OUTPUT_COLUMNS), "NO_COLOR": "1", "TERM": "dumb", "DCPCTL_CACHE": str(cache)}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     cwd = Path.cwd()
@@ -85,7 +125,7 @@ def run_dcpctl(args: list[str]) -> tuple[int, str]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    return result.exit_code, result.output
+    return result.exit_code, result.output.replace(str(cache), "~/.cache/dcpctl/models")
 
 
 def command_block(args: str, start: str | None = None, expected_code: int = 0) -> str:
