@@ -8,7 +8,7 @@ Each plan's roofline step (engine.suggest.suggest.plan_step) is predicted at the
 were decoded at (the roofline's batch: requests decoding at each gap's end, averaged over the gaps) and its mean
 context (input + output / 2), with the `cpu` figures measured on this machine
 (--remeasure: now, right after the bench, under the same load). Measured: the bench's ITL p50 (one decode step)
-and the blocks the server allocated x block size x dcp. Prints a markdown table for benchmarks/RESULTS.md.
+and the blocks the server allocated x block size x dcp. Prints a markdown table for docs/results/suggest.md.
 """
 
 from __future__ import annotations

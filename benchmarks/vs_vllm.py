@@ -20,7 +20,7 @@ measurement (they keep a core busy).
 Threads: every system gets one OpenMP thread per core of this process's CPU set, each bound to its core, as
 vLLM binds its own (VLLM_CPU_OMP_THREADS_BIND=<cores>; GOMP_CPU_AFFINITY=<cores> for dcpctl and HF). On a
 shared machine whose other load moves the threads around, unbound torch threads lose several times their
-speed (benchmarks/RESULTS.md); `--no-bind` runs all three unbound (vLLM with VLLM_CPU_OMP_THREADS_BIND=nobind).
+speed (docs/results/vs-vllm-cpu.md); `--no-bind` runs all three unbound (vLLM with VLLM_CPU_OMP_THREADS_BIND=nobind).
 
 `--isa avx2` runs all three as on an AVX2-only CPU: DCPCTL_CPU_ISA=avx2 for dcpctl (its AVX2 kernel build and
 paths), ONEDNN_MAX_CPU_ISA=AVX2 and ATEN_CPU_CAPABILITY=avx2 for torch/oneDNN in every process, and torch's

@@ -6,7 +6,7 @@ and the plan's gap lp_plan(p) - lp_plan(b). When both are within the tie margin 
 were a near-tie that a different summation order (the DCP LSE merge, another batch shape) can flip: a tie flip.
 Otherwise the divergence is unexplained: numerical noise of that dtype does not move log-probabilities that far.
 
-The margins come from measured noise (benchmarks/RESULTS.md, "Tie flips"): over every position both runs
+The margins come from measured noise (docs/results/gsm8k.md, "Tie flips"): over every position both runs
 generated on the same prefix, how far the gap between the chosen token and each rival listed in both runs moved
 from one run to the other. `Noise` is that measurement; every comparison reports it for its own runs.
 """
@@ -20,9 +20,9 @@ from evals.traces import TOP_LOGPROBS, TokenTrace
 TIE_FLIP = "tie flip"
 UNEXPLAINED = "unexplained"
 
-# Nats. benchmarks/tie_noise.py on GSM8K test questions 500-549 (RESULTS.md, "Tie flips"): where a DCP plan and
-# the baseline generated on the same prefix, the chosen-vs-rival gap moved by at most 9.0e-5 in float32 and 0.75
-# in bfloat16 (its logits are bf16 values, 0.125-0.25 apart at SmolLM2's scale). Margin = that with headroom.
+# Nats. benchmarks/tie_noise.py on GSM8K test questions 500-549 (docs/results/gsm8k.md, "Tie flips"): where a DCP
+# plan and the baseline generated on the same prefix, the chosen-vs-rival gap moved by at most 9.0e-5 in float32 and
+# 0.75 in bfloat16 (its logits are bf16 values, 0.125-0.25 apart at SmolLM2's scale). Margin = that with headroom.
 # float16 is not measured (no fp16 CPU run): it rounds 8x finer than bfloat16, whose margin therefore bounds it.
 TIE_MARGINS = {"float32": 1e-3, "bfloat16": 1.0, "float16": 1.0}
 

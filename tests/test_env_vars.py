@@ -61,3 +61,27 @@ def test_cpu_figures_never_overwrite_another_file(monkeypatch, tmp_path):
     assert other.read_text() == "my notes"
     other.write_text(json.dumps({"machine": {"cpu": "another"}, "version": 1}))
     assert measure._cached(other, measure.machine_key()) == {}  # another machine's figures: measured again
+
+
+def test_every_dcpctl_variable_the_code_names_is_registered():
+    """engine/env_vars.py lists every DCPCTL_* variable named in the code (the docs' environment reference is
+    generated from it), and each registered one is read by the module it names."""
+    import re
+    from pathlib import Path
+
+    from engine.env_vars import ENV_VARS
+
+    root = Path(__file__).resolve().parents[1]
+    registered = {var.name: var for var in ENV_VARS}
+    named: dict[str, set[str]] = {}
+    for folder in ("engine", "dcpctl", "evals", "benchmarks"):
+        for path in (root / folder).rglob("*.py"):
+            if path.name == "env_vars.py":
+                continue
+            for name in re.findall(r"\bDCPCTL_[A-Z0-9_]+\b", path.read_text()):
+                named.setdefault(name, set()).add(str(path.relative_to(root)))
+    missing = sorted(set(named) - set(registered))
+    assert not missing, f"add these to engine/env_vars.py: {missing} (named in {[named[m] for m in missing]})"
+    for var in ENV_VARS:
+        module = root / (var.read_by.replace(".", "/") + ".py")
+        assert var.name in module.read_text(), f"{var.name}: {var.read_by} does not read it"

@@ -23,8 +23,8 @@ from engine.errors import UserError
 from engine.kernels.cpu_gemm import PackableLinear
 from engine.plan.checks import validate_plan_file
 from engine.runtime.model_runner import ModelRunner
-from engine.suggest import decode_timing, hardware, measure
-from engine.suggest.decode_timing import DecodeShapes, decode_shapes
+from engine.suggest import decode_timing, hardware, host_timing, kernel_timing, measure
+from engine.suggest.decode_shapes import DecodeShapes, decode_shapes
 from engine.suggest.figures import Cluster, expert_fraction
 from engine.suggest.hardware import DeviceSpec, parse_figure, preset
 from engine.suggest.models import SHIPPED, planned_model
@@ -376,7 +376,7 @@ def test_cpu_step_grows_with_the_batch_by_its_flops_and_kv(no_pulled_models):
 def test_decode_timing_runs_the_engines_code(tiny_models, monkeypatch):
     """Every `cpu` figure of a model is measured through the engine's own layers and step, at its shapes; the DCP
     step also as two real ranks (in processes of their own, so their `execute` calls are not counted here)."""
-    monkeypatch.setattr(decode_timing, "COLD_BYTES", 2**20)
+    monkeypatch.setattr(kernel_timing, "COLD_BYTES", 2**20)
     monkeypatch.setattr(decode_timing, "TWO_RANK_RUNS", 1)
     info = read_model_info(tiny_models("llama", num_kv_heads=1))
     shapes = decode_shapes(info)
@@ -392,7 +392,7 @@ def test_decode_timing_runs_the_engines_code(tiny_models, monkeypatch):
     figures = decode_timing.decode_figures(shapes)
     assert set(figures) == set(measure.DECODE_FIGURES)
     assert all(0 < v < float("inf") for v in figures.values())
-    assert calls["project"] and calls["paged"] and calls["execute"] == 2 * (decode_timing.HOST_REPEATS + 2)
+    assert calls["project"] and calls["paged"] and calls["execute"] == 2 * (host_timing.HOST_REPEATS + 2)
 
 
 def test_cli_table_json_and_write(tmp_path, monkeypatch, no_pulled_models):

@@ -1,5 +1,6 @@
 """benchmarks/vs_vllm.py's driver: no process of a system outlives its run, the vLLM column is skipped with a
-reason when there is no vLLM venv, and the table's ratios (the measured runs themselves are in RESULTS.md)."""
+reason when there is no vLLM venv, and the table's ratios (the measured runs themselves are in
+docs/results/vs-vllm-cpu.md)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ until reallocated (least recently freed first), so a finished prompt's prefix st
 Without prefix caching no content is reused, and blocks go most recently freed first: a CPU cache's
 memory is mapped on first touch (`kv_cache.zeros`), and a block whose pages an earlier request
 faulted in is written at memory speed, where a never-used one costs page faults (~12x the write of a
-2048-token prefill's KV, benchmarks/RESULTS.md) and a benchmark's repeated batches would fault in the whole
+2048-token prefill's KV, docs/results/vs-vllm-cpu.md) and a benchmark's repeated batches would fault in the whole
 cache one run after another.
 """
 

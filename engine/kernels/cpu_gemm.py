@@ -5,7 +5,7 @@ reordered once at load time is 1.5-2x faster than the default BLAS path for fp32
 allows, bf16; the engine's panel GEMM serves bf16 where oneDNN cannot. A layer whose weight a GEMM refuses
 to pack (torch raises on a CPU it does not support) takes the next choice, so a wrong guess costs speed,
 never a crash. At batch 1 and 2 the engine's row-streaming GEMV reads the plain weights faster than either
-(benchmarks/RESULTS.md), and prefill-sized inputs (`cpu_paths.PREFILL_MIN_ROWS` rows or more) take
+(docs/results/cpu-kernels.md), and prefill-sized inputs (`cpu_paths.PREFILL_MIN_ROWS` rows or more) take
 `cpu_paths.prefill_gemm_choices`' first GEMM: each layer chooses per row bucket once, at `pack()`, and `project`
 compares the row count with the bounds. The layers keep their plain weights for the GEMV, for loading and for
 views (MLA).

@@ -8,13 +8,15 @@ the plain weight; more rows a pre-packed GEMM: the engine's panel GEMM (csrc/cpu
 CPUs where oneDNN packs bf16 (AVX-512, AVX-NE-CONVERT), which take oneDNN's (with AVX512-BF16 dot products it does
 twice the panel GEMM's fp32 FMAs per cycle); and from PREFILL_MIN_ROWS rows on (prefill), float32 on AVX-512 takes
 oneDNN's too (`prefill_gemm_choices`), from a second packed copy of the weight. Measured at SmolLM2's shapes
-(benchmarks/gemm_crossover.py, RESULTS.md): the panel GEMM runs decode-sized fp32 batches faster than oneDNN,
+(benchmarks/gemm_crossover.py, docs/results/cpu-kernels.md): the panel GEMM runs decode-sized fp32 batches faster
+than oneDNN,
 oneDNN is as fast or faster on every shape from 512 rows on with AVX-512 (12-30% on the down projection; a 16 x
 128-token SmolLM2 prefill 11% faster on two threads, worth the second copy), and never with AVX2.
 Without the engine's kernels: oneDNN, else F.linear.
 
 `DCPCTL_BF16_GEMM=panels` (or `onednn`) puts that GEMM first for bfloat16 whatever the CPU: with AVX512-BF16 the
-engine's panel GEMM is its dot-product kernel (vdpbf16ps), not yet measured against oneDNN's (RESULTS.md says how).
+engine's panel GEMM is its dot-product kernel (vdpbf16ps), not yet measured against oneDNN's
+(docs/results/cpu-kernels.md says how).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ very time slice the thread still working needs, and every barrier then costs mil
 machine shared with other jobs (load ~10), a batch-16 decode step took ~2 s with the default and 0.2 s sleeping at
 once (`OMP_WAIT_POLICY=PASSIVE`). Sleeping at once costs a futex wake-up at each of the ~150 regions on idle cores;
 a short spin first (`GOMP_SPINCOUNT=10000`, ~100 µs by libgomp's reckoning) catches the next region of the same
-step and bounds what a spin can take from another process. Measured (benchmarks/wait_policy.py, RESULTS.md): a
+step and bounds what a spin can take from another process. Measured (benchmarks/wait_policy.py,
+docs/results/cpu-kernels.md): a
 batch-16 fp32 step took ~47 ms with it against 71 ms with PASSIVE alone on idle cores, and ~104 against 144-183 ms
 with two busy loops on the cores. libgomp reads both variables once, when torch loads it, so `engine/__init__.py`
 sets them at import; values the user set win (GOMP_SPINCOUNT, where set, replaces the count OMP_WAIT_POLICY

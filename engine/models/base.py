@@ -73,7 +73,7 @@ def streamline_modules(model: nn.Module) -> None:
       ~1 µs per read, and a decode step reads ~20 per layer. Assigning a new parameter or submodule later still
       works: `nn.Module.__setattr__` drops the plain entry first.
     - Calling a module runs its `forward` directly: nn.Module.__call__'s hook and tracing checks cost ~1 µs a call
-      and a decode step makes ~10 calls per layer, ~0.3 ms of a 30-layer step (benchmarks/RESULTS.md). The engine
+      and a decode step makes ~10 calls per layer, ~0.3 ms of a 30-layer step (docs/results/cpu-kernels.md). The engine
       registers no hooks; a hook registered on a streamlined module is refused (`register_forward_hook` and the
       other hook registrations raise) rather than silently skipped.
     """

@@ -3,7 +3,7 @@
 Bytes sent per rank for a payload of S bytes over n ranks (ring algorithms): all-reduce 2(n-1)/n * S, all-gather
 (n-1) * s for an s-byte contribution, reduce-scatter (n-1)/n * S, all-to-all the chunks for the other ranks,
 gather the contribution of each sender. A group of one rank runs nothing. On CPU (gloo) the count of collectives
-per step decides their cost far more than their bytes (benchmarks/RESULTS.md).
+per step decides their cost far more than their bytes (docs/results/collectives.md).
 """
 
 from __future__ import annotations

@@ -160,7 +160,7 @@ class DensePlacement:
 
         `comm_backend` auto is a2a with the sharded placement, where each DCP rank merges its own 1/dcp of the
         columns, and ag_rs otherwise (where the ranks of a replica layout each merge every column, the all-to-all
-        measured slower: benchmarks/RESULTS.md)."""
+        measured slower: docs/results/dcp.md)."""
         t, n = layout.tp, layout.world_size
         sharded = dense == "sharded" and layout.replicas > 1
         if comm_backend == "auto":

@@ -1,8 +1,9 @@
 """The plan schema: typed sections that OmegaConf validates a YAML plan against.
 
-Key names are a contract (other tools read them); README.md's plan reference documents each
-field, its default and its rule. Choice-valued fields are plain strings checked in `checks.py`
-so that every problem of a plan can be reported at once, with a suggestion.
+Key names are a contract (other tools read them). Each field's comment is its description: the docs' plan
+reference (docs/reference/plan.md, generated) prints it with the field's default, so every field needs one (the
+docs build fails without). Choice-valued fields are plain strings checked in `field_checks.py` so that every
+problem of a plan can be reported at once, with a suggestion.
 """
 
 from __future__ import annotations
@@ -28,20 +29,44 @@ KEY_ALIASES = {
     "kv_transfer_config.kv_role": "disagg.kv_role",
 }
 
+# vLLM's command-line flag for the same setting (the docs' plan reference lists them beside each field).
+VLLM_FLAGS = {
+    "model.path": "--model",
+    "model.dtype": "--dtype",
+    "model.max_model_len": "--max-model-len",
+    "parallel.tp": "--tensor-parallel-size",
+    "parallel.dcp": "--decode-context-parallel-size",
+    "parallel.interleave": "--cp-kv-cache-interleave-size",
+    "parallel.pp": "--pipeline-parallel-size",
+    "parallel.dcp_comm_backend": "--dcp-comm-backend",
+    "cache.block_size": "--block-size",
+    "cache.dtype": "--kv-cache-dtype",
+    "cache.memory": "--gpu-memory-utilization (a fraction)",
+    "cache.prefix_caching": "--enable-prefix-caching",
+    "scheduler.max_num_seqs": "--max-num-seqs",
+    "scheduler.max_num_batched_tokens": "--max-num-batched-tokens",
+    "scheduler.chunked_prefill": "--enable-chunked-prefill",
+    "serve.host": "--host",
+    "serve.port": "--port",
+    "serve.model_name": "--served-model-name",
+}
+
 
 @dataclass
 class ModelSection:
-    path: str = MISSING
-    dtype: str = "auto"
-    max_model_len: int | None = None
+    path: str = MISSING  # an HF checkpoint folder (config.json, *.safetensors) or an alias: smollm2-135m-instruct
+    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's 16-bit dtype (else bfloat16) on CUDA
+    max_model_len: int | None = None  # context length; unset: the model's max_position_embeddings, at most that
 
 
 @dataclass
 class ParallelSection:
-    tp: int = 1
+    tp: int = 1  # tensor parallel ranks: divides the attention heads, divides or is a multiple of the KV heads
+    # decode context parallel ranks sharing each sequence's KV: divides the KV replication R (inside the TP group)
+    # or is a multiple of it (replica ranks)
     dcp: int = 1
-    interleave: int = 1
-    pp: int = 1
+    interleave: int = 1  # tokens per run a DCP rank owns: 1 <= interleave <= cache.block_size and divides it
+    pp: int = 1  # pipeline parallel stages: only 1 is supported
     # Dense layers with replica ranks (engine.placement): sharded (Helix; TensorRT-LLM cp_type HELIX) | replicated
     dense: str = "sharded"
     # The DCP combine: auto | ag_rs | a2a (vLLM's and SGLang's field and values; auto: a2a with dense=sharded)
@@ -50,42 +75,44 @@ class ParallelSection:
 
 @dataclass
 class CacheSection:
-    block_size: int = 16
-    # Bytes with a unit ("2GiB", "512MiB") or a fraction of free device memory ("0.5").
+    block_size: int = 16  # tokens per rank per KV block (a virtual block covers block_size x dcp tokens)
+    # KV budget per rank: bytes with a unit ("2GiB", "512MiB", or whole bytes) or a fraction of free device memory
+    # ("0.5", at most 1).
+    # Must hold one max_model_len sequence; a CPU plan's budgets on one node must fit its RAM.
     memory: str = "1GiB"
-    dtype: str = "auto"
+    dtype: str = "auto"  # auto: the model dtype; a narrower cache stores rounded keys and values
     prefix_caching: bool = True  # reuse cached KV blocks of identical prompt prefixes
 
 
 @dataclass
 class AttentionSection:
-    backend: str = "auto"
+    backend: str = "auto"  # auto: flash_attn where it serves the plan, else triton on CUDA; cpu on CPU
 
 
 @dataclass
 class SchedulerSection:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    chunked_prefill: bool = True
+    max_num_seqs: int = 64  # sequences in a batch (>= 1)
+    max_num_batched_tokens: int = 2048  # tokens per step (>= 1); chunked prefill splits longer prompts
+    chunked_prefill: bool = True  # split long prompts over steps; without it the token budget must cover max_model_len
 
 
 @dataclass
 class LaunchSection:
-    device: str = "auto"
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
+    device: str = "auto"  # auto: cuda when a GPU is visible, else cpu
+    nnodes: int = 1  # nodes of a multi-node launch; the world size must divide by it
+    node_rank: int = 0  # this node's rank, 0..nnodes-1 (node 0 serves the API)
+    master_addr: str = "127.0.0.1"  # torchrun's master; on one node it must be an address of this machine
     master_port: int = 0  # 0: pick a free port (single node)
-    rdzv_endpoint: str | None = None
-    dist_backend: str = "auto"
+    rdzv_endpoint: str | None = None  # HOST:PORT of a c10d rendezvous instead of master_addr/master_port
+    dist_backend: str = "auto"  # auto: gloo on CPU, NCCL for tensors plus gloo for metadata on CUDA
     cpu_comm: str = "auto"  # CPU tensor collectives: shared memory (one node) or gloo; auto: shm where it can
     threads_per_rank: int = 0  # 0: cores / local ranks
 
 
 @dataclass
 class ServeSection:
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = "127.0.0.1"  # where the OpenAI-compatible server listens (0.0.0.0: every interface)
+    port: int = 8000  # the server's port (0: a free one); a P/D plan's router listens here
     model_name: str | None = None  # the name /v1/models reports; default: the plan name
 
 
@@ -109,9 +136,9 @@ class DisaggSection:
 
 @dataclass
 class Plan:
-    name: str = ""
-    description: str = ""
-    base: str | None = None
+    name: str = ""  # shown in tables and reports; default: the file's stem
+    description: str = ""  # one line shown by plan show
+    base: str | None = None  # another plan file this one extends (relative to this file)
     model: ModelSection = field(default_factory=ModelSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     cache: CacheSection = field(default_factory=CacheSection)

@@ -4,7 +4,7 @@ A step allocates the same large temporaries every time (activations of up to
 `scheduler.max_num_batched_tokens` rows). By default glibc serves big blocks with fresh mmaps and
 gives freed heap tops back to the kernel, so every step page-faults and zero-fills megabytes again;
 on the shared VMs we measured, that made a bfloat16 RMSNorm over 2048 rows ~6x slower and
-bfloat16 decode at batch 16 ~20% slower (benchmarks/RESULTS.md).
+bfloat16 decode at batch 16 ~20% slower (docs/results/cpu-kernels.md).
 """
 
 from __future__ import annotations

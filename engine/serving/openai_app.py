@@ -91,6 +91,7 @@ class OpenAIServer:
         return JSONResponse({"status": "unhealthy", "error": self.engine_loop.unavailable_reason()}, status_code=503)
 
     async def models(self):
+        """The served model: its id (`serve.model_name`, default the plan name) and `max_model_len`."""
         model = self.model
         return {
             "object": "list",
@@ -129,12 +130,14 @@ class OpenAIServer:
         }
 
     async def tokenize(self, req: TokenizeRequest):
+        """The prompt's token ids, as the model's tokenizer makes them (any length)."""
         self.model.check_model(req.model)
         ids = await self.model.tokenize(req.prompt, req.add_special_tokens)
         max_model_len = self.model.max_model_len
         return await json_response(lambda: {"tokens": ids, "count": len(ids), "max_model_len": max_model_len})
 
     async def detokenize(self, req: DetokenizeRequest):
+        """The text of token ids (each within the vocabulary)."""
         self.model.check_model(req.model)
         vocab = len(self.model.tokenizer)
         bad = [t for t in req.tokens if not 0 <= t < vocab]

@@ -166,6 +166,7 @@ class Router:
 
     def _passthrough(self, path: str):
         async def forward(request: Request):
+            """Forwarded to the decode instance unchanged."""
             body = await request.body() if request.method == "POST" else None
             response = await self._send(self.decode, request.method, path, content=body)
             return Response(response.content, response.status_code, media_type="application/json")

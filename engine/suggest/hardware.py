@@ -172,7 +172,7 @@ def cpu(model: ModelInfo, remeasure: bool = False) -> DeviceSpec:
 
     Its ranks share everything; 16-bit matmuls are taken at the measured fp32 rate (CPUs without AMX gain little).
     """
-    from engine.suggest.decode_timing import decode_shapes
+    from engine.suggest.decode_shapes import decode_shapes
     from engine.suggest.measure import cpu_figures, figures_file
 
     figures = cpu_figures(decode_shapes(model), remeasure)

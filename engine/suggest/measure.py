@@ -29,7 +29,8 @@ from pathlib import Path
 from engine import devices
 from engine.errors import UserError
 from engine.io_utils import atomic_write_text
-from engine.suggest.decode_timing import DecodeShapes, decode_figures
+from engine.suggest.decode_shapes import DecodeShapes
+from engine.suggest.decode_timing import decode_figures
 
 COPY_BYTES = 256 * 2**20  # well beyond the last-level cache of the CPUs and GPUs this runs on
 COLLECTIVE_ITERS = 200
