@@ -129,7 +129,9 @@ def token_boundary_stop(text: str, token_texts: list[str]) -> tuple[str, str]:
 
 def test_health_models_and_stats(server):
     with server.http() as http:
-        assert http.get("/health").json() == {"status": "ok"}
+        health = http.get("/health").json()
+        assert health["status"] == "ok" and len(health["instance_id"]) == 32  # a router tells restarts by it
+        assert http.get("/health").json() == health
         models = http.get("/v1/models").json()
         stats = http.get("/v1/engine/stats").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
