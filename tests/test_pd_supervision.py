@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import signal
@@ -26,9 +27,24 @@ from tests.test_pd import pd_plan, wait_for
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 NEW_TOKENS = 4
+# Fault injection, in the prefill instance's process only: once the test creates the file $DCPCTL_TEST_ENGINE_FAULT,
+# the next engine step raises (the engine fails; the process lives on) and the file goes.
+ENGINE_FAULT_HOOK = """
+import os, sys
+if "engine.serve_entry" in sys.orig_argv and "prefill" in sys.orig_argv and "DCPCTL_TEST_ENGINE_FAULT" in os.environ:
+    from pathlib import Path
+    from engine.runtime.model_runner import ModelRunner
+    armed, original = Path(os.environ["DCPCTL_TEST_ENGINE_FAULT"]), ModelRunner.execute
+    def execute(self, step):
+        if armed.exists():
+            armed.unlink()
+            raise RuntimeError("injected engine fault")
+        return original(self, step)
+    ModelRunner.execute = execute
+"""
 
 
-def start(tmp_path: Path, folder: Path, disagg: dict | None = None) -> PlanServer:
+def start(tmp_path: Path, folder: Path, disagg: dict | None = None, env: dict | None = None) -> PlanServer:
     """A served tiny P/D plan (prefill dcp1 -> decode dcp2, interleave = block size = 8), healthy."""
     plan = pd_plan(
         tmp_path,
@@ -37,7 +53,7 @@ def start(tmp_path: Path, folder: Path, disagg: dict | None = None) -> PlanServe
         {"parallel.dcp": 2, "parallel.interleave": 8, "cache.block_size": 8},
         disagg,
     )
-    server = PlanServer(plan, log_path=tmp_path / "run.log", health_timeout_s=300)
+    server = PlanServer(plan, log_path=tmp_path / "run.log", health_timeout_s=300, env=env)
     server.start()
     try:
         server.wait_healthy()
@@ -99,20 +115,31 @@ def assert_all_gone(pids: list[int], timeout_s: float = 30.0) -> None:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, tiny_models):
+    """The module's deployment, with the engine fault hook in its prefill instance (unarmed)."""
     folder = tiny_models("llama")
-    run = start(tmp_path_factory.mktemp("supervised"), folder)
-    yield run, folder
+    tmp = tmp_path_factory.mktemp("supervised")
+    (tmp / "hook").mkdir()
+    (tmp / "hook" / "sitecustomize.py").write_text(ENGINE_FAULT_HOOK)
+    path = os.pathsep.join([str(tmp / "hook"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, "DCPCTL_TEST_ENGINE_FAULT": str(tmp / "armed")}
+    run = start(tmp, folder, env=env)
+    yield run, folder, tmp / "armed"
     run.stop()
+
+
+def restarts(client: httpx.Client, url: str) -> dict:
+    return client.get(f"{url}/v1/engine/stats").json()["router"]["restarts"]
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_a_killed_instance_is_reported_restarted_and_serves_again(served, role):
-    run, folder = served
+    run, folder, _ = served
     url = run.base_url
     ids = prompt_ids(1, [21], seed=3)[0]
     expected = hf_greedy(folder, ids, NEW_TOKENS)[0]
     with httpx.Client(timeout=120, trust_env=False) as client:
         assert tokens(client, url, ids) == expected
+        before = restarts(client, url)
         victim = piece(run, role)
         instance_url = re.search(rf"{role} (http://\S+?)[,;]", terminal(run)).group(1)
         broken = None
@@ -146,10 +173,8 @@ def test_a_killed_instance_is_reported_restarted_and_serves_again(served, role):
         healthy = time.monotonic() - killed
         assert tokens(client, url, ids) == expected
         stats = settled(client, url)
-        assert stats["router"]["restarts"][role] == 1 and stats["router"]["healthy"] == {
-            "prefill": True,
-            "decode": True,
-        }
+        assert stats["router"]["restarts"] == {**before, role: before[role] + 1}
+        assert stats["router"]["healthy"] == {"prefill": True, "decode": True}
         assert re.search(
             rf"the {role} instance {instance_url} \(pid \d+\) is healthy again: [\d.]+ s after", terminal(run)
         )
@@ -163,9 +188,36 @@ def test_a_killed_instance_is_reported_restarted_and_serves_again(served, role):
     print(f"\n{role}: killed -> reported {detected:.2f} s, -> router healthy {healthy:.1f} s")
 
 
+def test_an_instance_whose_engine_failed_is_restarted(served):
+    """The prefill instance's engine fails (its process lives on, its /health says so): the request fails naming
+    the cause, the supervisor reports the instance unusable and restarts it, and it serves HF's tokens again."""
+    run, folder, armed = served
+    url = run.base_url
+    ids = prompt_ids(1, [9], seed=4)[0]
+    with httpx.Client(timeout=120, trust_env=False) as client:
+        before = restarts(client, url)
+        victim = piece(run, "prefill")
+        armed.touch()
+        failed = client.post(f"{url}/v1/completions", json=body(ids))
+        assert failed.status_code == 502 and "injected engine fault" in failed.text, failed.text
+        line = wait_for(
+            lambda: re.search(
+                r"the prefill instance \S+ \(pid (\d+)\) is alive but unusable: (.*); log", terminal(run)
+            ),
+            what="the report",
+        )
+        assert int(
+            line.group(1)
+        ) == victim.pid and "the engine failed (RuntimeError: injected engine fault)" in line.group(2)
+        wait_for(lambda: client.get(f"{url}/health").status_code == 200, timeout_s=120, what="router healthy")
+        assert tokens(client, url, ids) == hf_greedy(folder, ids, NEW_TOKENS)[0]
+        assert settled(client, url)["router"]["restarts"] == {**before, "prefill": before["prefill"] + 1}
+        assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE
+
+
 def test_a_dead_router_ends_the_run(served):
     """The last test of the module: the run ends (exit 1), saying why, and stops both instances."""
-    run, _ = served
+    run, _, _ = served
     pids = [p.pid for p in run.processes()]
     router = piece(run, "router")
     router.send_signal(signal.SIGKILL)
