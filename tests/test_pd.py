@@ -188,17 +188,16 @@ def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
     return value
 
 
+def fault_plan(tmp_path, folder, disagg: dict | None = None):
+    """The fault tests' P/D plan: prefill dcp1 -> decode dcp2 at interleave = block size = 8."""
+    prefill, decode = {"cache.block_size": 8}, {"parallel.dcp": 2, "parallel.interleave": 8, "cache.block_size": 8}
+    return pd_plan(tmp_path, folder, prefill, decode, disagg)
+
+
 @contextlib.contextmanager
 def routed(tmp_path, folder, disagg: dict):
-    """The fault tests' deployment (prefill dcp1 -> decode dcp2 at interleave = block size = 8) with a router in
-    this process; yields (deployment, router URL, client)."""
-    plan = pd_plan(
-        tmp_path,
-        folder,
-        {"cache.block_size": 8},
-        {"parallel.dcp": 2, "parallel.interleave": 8, "cache.block_size": 8},
-        disagg,
-    )
+    """The fault tests' deployment with a router in this process; yields (deployment, router URL, client)."""
+    plan = fault_plan(tmp_path, folder, disagg)
     with Deployment(str(plan), "pd", [], 0, 0) as deployment:
         router = start_router(deployment.router(), bind_socket("127.0.0.1", 0))
         try:

@@ -22,7 +22,7 @@ import pytest
 
 from engine.serving.plan_server import PlanServer
 from tests.oracle import hf_greedy, prompt_ids
-from tests.test_pd import pd_plan, wait_for
+from tests.test_pd import fault_plan, wait_for
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
@@ -45,15 +45,10 @@ if "engine.serve_entry" in sys.orig_argv and "prefill" in sys.orig_argv and "DCP
 
 
 def start(tmp_path: Path, folder: Path, disagg: dict | None = None, env: dict | None = None) -> PlanServer:
-    """A served tiny P/D plan (prefill dcp1 -> decode dcp2, interleave = block size = 8), healthy."""
-    plan = pd_plan(
-        tmp_path,
-        folder,
-        {"cache.block_size": 8},
-        {"parallel.dcp": 2, "parallel.interleave": 8, "cache.block_size": 8},
-        disagg,
+    """The fault tests' P/D plan served as `dcpctl run` serves it, healthy."""
+    server = PlanServer(
+        fault_plan(tmp_path, folder, disagg), log_path=tmp_path / "run.log", health_timeout_s=300, env=env
     )
-    server = PlanServer(plan, log_path=tmp_path / "run.log", health_timeout_s=300, env=env)
     server.start()
     try:
         server.wait_healthy()
