@@ -232,11 +232,13 @@ def test_faults_expired_stale_and_a_dead_prefill_instance(tmp_path, tiny_models)
         assert stats(p_url)["exports_live"] == 1
         wait_for(lambda: stats(p_url)["exports_live"] == 0 and stats(p_url)["used_blocks"] == 0, what="expiry")
         body = {"prompt": ids, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-        body["kv_transfer_params"] = handle
-        stale = client.post(f"{d_url}/v1/completions", json=body)
+        stale = client.post(f"{d_url}/v1/completions", json={**body, "kv_transfer_params": handle})
         assert stale.status_code == 400 and "expired" in stale.text, stale.text
+        # the router sets kv_transfer_params itself: a client's are refused, naming the field
+        own = client.post(f"{url}/v1/completions", json={**body, "kv_transfer_params": handle})
+        assert own.status_code == 400 and own.json()["error"]["param"] == "kv_transfer_params", own.text
 
-        ok = client.post(f"{url}/v1/completions", json={**body, "kv_transfer_params": None})
+        ok = client.post(f"{url}/v1/completions", json=body)
         assert ok.status_code == 200, ok.text
         assert ok.json()["choices"][0]["token_ids"] == hf_greedy(folder, ids, 3)[0]
 

@@ -328,7 +328,10 @@ class Router:
             message = f"the prefill instance {self.prefill.url} failed the request: {_error_text(response)}"
             logger.warning("%s", message)
             raise ServerError(502, message)
-        params = response.json().get("kv_transfer_params")
+        try:
+            params = response.json().get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            params = None
         handles = params if isinstance(params, list) else [params]
         if not handles or not all(isinstance(h, dict) for h in handles):
             self.stats.failed_prefill += 1
