@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import signal
@@ -23,7 +24,7 @@ from engine.core.engine import LLMEngine
 from engine.core.startup import start_rank
 from engine.plan.checks import resolve_plan
 from engine.serving.hosting import ServerHandle, start_server
-from engine.serving.responses import stop_holdback
+from engine.serving.responses import CompletionLogprobs, stop_holdback
 from tests.oracle import hf_greedy, hf_prompt_logprobs, prompt_ids, write_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -494,6 +495,32 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
         http.post("/v1/completions", json=body)
     stats = server.wait_idle()
     assert stats["used_blocks"] == 0 and stats["generated_tokens"] - before < limit
+
+
+def test_a_stream_that_fails_unexpectedly_ends_with_an_error_event_and_is_logged(server, monkeypatch, caplog):
+    """A bug while building a stream (fault injected into the logprobs of its chunks) is no cut connection: the
+    client reads an error event and [DONE], the log has the traceback, and the server goes on holding nothing."""
+
+    def broken(*_):
+        raise RuntimeError("injected stream fault")
+
+    monkeypatch.setattr(CompletionLogprobs, "block", broken)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "logprobs": 1, "stream": True, "ignore_eos": True}
+    with (
+        caplog.at_level(logging.ERROR, logger="dcpctl.server"),
+        server.http() as http,
+        http.stream("POST", "/v1/completions", json=body) as resp,
+    ):
+        events = sse_events(resp.iter_lines())
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["message"] == "internal error: RuntimeError: injected stream fault", events[-2]
+    (record,) = [r for r in caplog.records if "a stream failed unexpectedly" in r.getMessage()]
+    assert "injected stream fault" in str(record.exc_info[1])
+    monkeypatch.undo()
+    stats = server.wait_idle()
+    assert stats["used_blocks"] == 0 and stats["requests_in_flight"] == 0
+    with server.http() as http:
+        assert http.post("/v1/completions", json={**body, "stream": False}).status_code == 200
 
 
 def test_engine_failure_is_a_500_and_health_turns_unhealthy(tmp_path, llama):
