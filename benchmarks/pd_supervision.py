@@ -64,6 +64,7 @@ def one_kill(run: PlanServer, client: httpx.Client, role: str, expected: list[st
 
     wait(lambda: new_line(rf"the {role} instance .* was killed by SIGKILL"), 60, 0.01)
     reported = time.monotonic() - start
+    wait(lambda: client.get(f"{run.base_url}/health").status_code == 503)  # the router has seen it (polls each 1 s)
     wait(lambda: client.get(f"{run.base_url}/health").status_code == 200)
     router_healthy = time.monotonic() - start
     got = wait(lambda: completion(client, run.base_url))
