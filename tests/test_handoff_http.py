@@ -3,6 +3,7 @@ completions and chat through the router continue exactly as HF, and the handle a
 
 from __future__ import annotations
 
+import socket
 import time
 
 import httpx
@@ -11,6 +12,7 @@ import pytest
 from engine.core.startup import start_engine
 from engine.kv_transfer.handles import KVRole
 from engine.plan.checks import resolve_plan
+from engine.serving.background import SERVER_KEEP_ALIVE_S
 from engine.serving.hosting import bind_socket, start_server
 from engine.serving.router import Router, start_router
 from tests.oracle import LOGPROB_TOL, hf_greedy, prompt_ids, write_plan
@@ -146,3 +148,35 @@ def test_stats_after_the_requests_show_nothing_held(deployment):
     assert stats["prefill"]["used_blocks"] == 0 and stats["prefill"]["exports_live"] == 0
     assert stats["router"]["handed_off"] >= 3 and stats["router"]["healthy"] == {"prefill": True, "decode": True}
     assert client.get("/health").status_code == 200
+
+
+def _get_health(sock: socket.socket) -> bytes:
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\n\r\n")
+    answer = b""
+    while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
+        chunk = sock.recv(4096)
+        if not chunk:
+            return answer
+        answer += chunk
+    return answer
+
+
+def test_idle_connections_outlast_a_client_pools_keep_alive(deployment):
+    """Issue 33's reset: a server that closes an idle connection no later than its client's pool drops it (httpx: 5
+    s, uvicorn's default: 5 s) races the client's next request on it, which then meets "connection reset by peer".
+    The router and the instances keep an idle connection well beyond common pools' expiry: one idle for longer than
+    httpx's still serves a request."""
+    _, client, prefill, _ = deployment
+    pool_expiry = httpx.Limits().keepalive_expiry
+    ports = [int(str(client.base_url).rsplit(":", 1)[1]), prefill.port]
+    sockets = [socket.create_connection(("127.0.0.1", port)) for port in ports]
+    try:
+        for sock in sockets:
+            assert _get_health(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(pool_expiry + 1)
+        for sock, port in zip(sockets, ports, strict=True):
+            assert _get_health(sock).startswith(b"HTTP/1.1 200"), f"port {port} closed the idle connection"
+    finally:
+        for sock in sockets:
+            sock.close()
+    assert SERVER_KEEP_ALIVE_S > 60  # more than aiohttp's 15 s and a cloud load balancer's 60 s too

@@ -188,17 +188,16 @@ def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
     return value
 
 
+def fault_plan(tmp_path, folder, disagg: dict | None = None):
+    """The fault tests' P/D plan: prefill dcp1 -> decode dcp2 at interleave = block size = 8."""
+    prefill, decode = {"cache.block_size": 8}, {"parallel.dcp": 2, "parallel.interleave": 8, "cache.block_size": 8}
+    return pd_plan(tmp_path, folder, prefill, decode, disagg)
+
+
 @contextlib.contextmanager
 def routed(tmp_path, folder, disagg: dict):
-    """The fault tests' deployment (prefill dcp1 -> decode dcp2 at interleave = block size = 8) with a router in
-    this process; yields (deployment, router URL, client)."""
-    plan = pd_plan(
-        tmp_path,
-        folder,
-        {"cache.block_size": 8},
-        {"parallel.dcp": 2, "parallel.interleave": 8, "cache.block_size": 8},
-        disagg,
-    )
+    """The fault tests' deployment with a router in this process; yields (deployment, router URL, client)."""
+    plan = fault_plan(tmp_path, folder, disagg)
     with Deployment(str(plan), "pd", [], 0, 0) as deployment:
         router = start_router(deployment.router(), bind_socket("127.0.0.1", 0))
         try:
@@ -233,11 +232,13 @@ def test_faults_expired_stale_and_a_dead_prefill_instance(tmp_path, tiny_models)
         assert stats(p_url)["exports_live"] == 1
         wait_for(lambda: stats(p_url)["exports_live"] == 0 and stats(p_url)["used_blocks"] == 0, what="expiry")
         body = {"prompt": ids, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-        body["kv_transfer_params"] = handle
-        stale = client.post(f"{d_url}/v1/completions", json=body)
+        stale = client.post(f"{d_url}/v1/completions", json={**body, "kv_transfer_params": handle})
         assert stale.status_code == 400 and "expired" in stale.text, stale.text
+        # the router sets kv_transfer_params itself: a client's are refused, naming the field
+        own = client.post(f"{url}/v1/completions", json={**body, "kv_transfer_params": handle})
+        assert own.status_code == 400 and own.json()["error"]["param"] == "kv_transfer_params", own.text
 
-        ok = client.post(f"{url}/v1/completions", json={**body, "kv_transfer_params": None})
+        ok = client.post(f"{url}/v1/completions", json=body)
         assert ok.status_code == 200, ok.text
         assert ok.json()["choices"][0]["token_ids"] == hf_greedy(folder, ids, 3)[0]
 

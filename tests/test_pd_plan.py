@@ -62,7 +62,7 @@ def test_every_pair_problem_reported_at_once(make_plan, llama_folder, tmp_path):
         decode="serve: {port: 8123}\n",
         disagg=(
             "  prefill_port: 8123\n  lease_s: 5\n  transfer_timeout_s: 10\n  failure_policy: retry\n"
-            "  prefill_url: localhost:9000\n  max_pulls_per_step: 0\n"
+            "  prefill_url: localhost:9000\n  max_pulls_per_step: 0\n  max_restarts: -1\n"
         ),
     )
     got = messages(validate_plan_file(path))
@@ -71,6 +71,7 @@ def test_every_pair_problem_reported_at_once(make_plan, llama_folder, tmp_path):
         "own ports",
         "disagg.transfer_timeout_s: disagg.transfer_timeout_s=10 must be more than 1 s below disagg.lease_s=5",
         "disagg.failure_policy: disagg.failure_policy='retry' is not one of fail, recompute",
+        "disagg.max_restarts: disagg.max_restarts=-1 must be >= 0 (0: a dead instance ends the run)",
         "disagg.max_pulls_per_step: disagg.max_pulls_per_step=0 must be >= 1",
         "disagg.prefill_url: disagg.prefill_url='localhost:9000' must be an http:// or https:// URL",
         "disagg.prefill: the prefill plan runs another model (architecture DeepseekV2ForCausalLM there, "

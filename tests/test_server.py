@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import signal
@@ -23,7 +24,7 @@ from engine.core.engine import LLMEngine
 from engine.core.startup import start_rank
 from engine.plan.checks import resolve_plan
 from engine.serving.hosting import ServerHandle, start_server
-from engine.serving.responses import stop_holdback
+from engine.serving.responses import CompletionLogprobs, stop_holdback
 from tests.oracle import hf_greedy, hf_prompt_logprobs, prompt_ids, write_plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,7 +130,9 @@ def token_boundary_stop(text: str, token_texts: list[str]) -> tuple[str, str]:
 
 def test_health_models_and_stats(server):
     with server.http() as http:
-        assert http.get("/health").json() == {"status": "ok"}
+        health = http.get("/health").json()
+        assert health["status"] == "ok" and len(health["instance_id"]) == 32  # a router tells restarts by it
+        assert http.get("/health").json() == health
         models = http.get("/v1/models").json()
         stats = http.get("/v1/engine/stats").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
@@ -488,10 +491,36 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     # a non-streaming request whose client gives up is aborted too
     body["stream"] = False
     before = stats["generated_tokens"]
-    with server.http(timeout=0.5) as http, pytest.raises(httpx.ReadTimeout):
+    with server.http(timeout=0.1) as http, pytest.raises(httpx.ReadTimeout):  # 480 tokens take longer
         http.post("/v1/completions", json=body)
     stats = server.wait_idle()
     assert stats["used_blocks"] == 0 and stats["generated_tokens"] - before < limit
+
+
+def test_a_stream_that_fails_unexpectedly_ends_with_an_error_event_and_is_logged(server, monkeypatch, caplog):
+    """A bug while building a stream (fault injected into the logprobs of its chunks) is no cut connection: the
+    client reads an error event and [DONE], the log has the traceback, and the server goes on holding nothing."""
+
+    def broken(*_):
+        raise RuntimeError("injected stream fault")
+
+    monkeypatch.setattr(CompletionLogprobs, "block", broken)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 8, "logprobs": 1, "stream": True, "ignore_eos": True}
+    with (
+        caplog.at_level(logging.ERROR, logger="dcpctl.server"),
+        server.http() as http,
+        http.stream("POST", "/v1/completions", json=body) as resp,
+    ):
+        events = sse_events(resp.iter_lines())
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["message"] == "internal error: RuntimeError: injected stream fault", events[-2]
+    (record,) = [r for r in caplog.records if "a stream failed unexpectedly" in r.getMessage()]
+    assert "injected stream fault" in str(record.exc_info[1])
+    monkeypatch.undo()
+    stats = server.wait_idle()
+    assert stats["used_blocks"] == 0 and stats["requests_in_flight"] == 0
+    with server.http() as http:
+        assert http.post("/v1/completions", json={**body, "stream": False}).status_code == 200
 
 
 def test_engine_failure_is_a_500_and_health_turns_unhealthy(tmp_path, llama):

@@ -1,13 +1,18 @@
 """No request can take the server down: hand-written hostile requests (regressions) and schemathesis fuzzing from
-the server's own OpenAPI document, against a real server on a tiny checkpoint. Every bad request is an
-OpenAI-style 4xx naming the problem; afterwards the server is healthy and holds no KV blocks."""
+the server's own OpenAPI document, against a real server on a tiny checkpoint, and against the router of a P/D
+deployment of the same checkpoint (`python -m engine.serve_entry PD_PLAN`, as `dcpctl run` serves it), which faces
+the same clients. Every bad request is an OpenAI-style 4xx naming the problem; afterwards the server is healthy and
+holds no KV blocks (the P/D deployment: neither instance holds a block or an export)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,8 +27,10 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from engine.serving.plan_server import PlanServer
 from engine.serving.protocol import MAX_BODY_BYTES
 from tests.oracle import write_plan
+from tests.test_pd import pd_plan
 from tests.test_server import serve
 
 CONTEXT = 48  # the server's max_model_len: generation stays short whatever a request asks for
@@ -53,12 +60,56 @@ BASE = {
 }
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_models):
-    plan = write_plan(tmp_path_factory.mktemp("hostile"), tiny_models("llama"), {"model.max_model_len": CONTEXT})
-    served = serve(plan)
-    yield served
-    served.handle.stop()
+@dataclass
+class Target:
+    """What the tests send requests to (a server, or a P/D deployment's router) and what they know of its model."""
+
+    base_url: str
+    folder: Path
+    routed: bool  # the router of a P/D deployment
+
+    def http(self, timeout: float = 60.0) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=timeout, trust_env=False)
+
+    @functools.cached_property
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.folder)
+
+    @property
+    def vocab_size(self) -> int:
+        return json.loads((self.folder / "config.json").read_text())["vocab_size"]
+
+    def wait_idle(self, timeout: float = 20.0) -> dict:
+        """Stats once no request is in flight (and, behind a router, no block or export is held on either side;
+        releases run in the background), or the last stats after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = httpx.get(f"{self.base_url}/v1/engine/stats", trust_env=False, timeout=30).json()
+            idle = stats["requests_in_flight"] == 0 and stats["running"] == 0 and stats["waiting"] == 0
+            if self.routed:
+                prefill = stats["prefill"]
+                idle = idle and stats["used_blocks"] == 0 and prefill["used_blocks"] == 0
+                idle = idle and prefill["exports_live"] == 0 and prefill["requests_in_flight"] == 0
+            if idle or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module", params=["server", pytest.param("router", marks=pytest.mark.multiproc)])
+def server(request, tmp_path_factory, tiny_models) -> Iterator[Target]:
+    folder = tiny_models("llama")
+    tmp = tmp_path_factory.mktemp(f"hostile-{request.param}")
+    if request.param == "server":
+        served = serve(write_plan(tmp, folder, {"model.max_model_len": CONTEXT}))
+        yield Target(served.base_url, folder, routed=False)
+        served.handle.stop()
+        return
+    context = {"model.max_model_len": CONTEXT}
+    plan = pd_plan(tmp, folder, context, context)
+    with PlanServer(plan, log_path=tmp / "pd.log", health_timeout_s=300) as deployment:
+        yield Target(deployment.base_url, folder, routed=True)
 
 
 @pytest.fixture
@@ -116,7 +167,7 @@ def test_huge_numbers_are_400_or_harmless(http):
 
 
 def test_stops_beyond_the_limits_are_400_and_stop_token_ids_must_be_in_the_vocabulary(server, http):
-    vocab = server.engine.runner.vocab_size
+    vocab = server.vocab_size
     cases = {
         "stop has 65 strings; this server takes at most 64": {"stop": ["x"] * 65},
         "stop has 500000 strings": {"stop": ["ab"] * 500_000},
@@ -266,11 +317,11 @@ def test_oversized_bodies_are_413_before_they_are_read(http):
 
 
 def test_token_ids_out_of_the_vocabulary_are_400(server, http):
-    vocab = server.engine.runner.vocab_size
+    vocab = server.vocab_size
     for prompt in ([vocab], [-1], [5, 10**30], [[5], [vocab + 7]]):
         error = error_of(http.post("/v1/completions", json={"prompt": prompt}))
         assert f"0..{vocab - 1}" in error["message"] and error["param"] == "prompt", (prompt, error)
-    for tokens in ([len(server.engine.tokenizer)], [-3], [10**30]):
+    for tokens in ([len(server.tokenizer)], [-3], [10**30]):
         assert "tokens must be in" in error_of(http.post("/detokenize", json={"tokens": tokens}))["message"]
 
 
@@ -321,7 +372,7 @@ def slowest_health_while(server, send: Callable[[httpx.Client], httpx.Response])
 
 def test_a_text_too_long_to_fit_is_refused_before_it_is_tokenized(server, http):
     huge = "hello world " * 2_500_000  # 30 MB: tokenizing it takes tens of seconds here
-    longest = max(map(len, server.engine.tokenizer.get_vocab()))
+    longest = max(map(len, server.tokenizer.get_vocab()))
     requests = {
         "/v1/completions": {"prompt": huge, "max_tokens": 1},
         "/v1/chat/completions": {"messages": [{"role": "user", "content": huge}], "max_tokens": 1},
@@ -369,7 +420,8 @@ def test_openapi_document_describes_the_request_bodies(server):
     ]
     operation = doc["paths"]["/v1/completions"]["post"]
     assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("CompletionRequest")
-    assert set(operation["responses"]) == {"200", "400", "404", "413", "500", "503"}  # 400, not FastAPI's 422
+    statuses = {"200", "400", "404", "413", "500", "503"} | ({"502"} if server.routed else set())
+    assert set(operation["responses"]) == statuses  # 400, not FastAPI's 422
     assert "HTTPValidationError" not in schemas
 
 

@@ -102,6 +102,11 @@ def _check_section(problems: PlanProblems, res: ResolvedPlan, s: DisaggSection) 
             f"disagg.transfer_timeout_s={s.transfer_timeout_s:g} must be more than {LEASE_MARGIN_S:g} s below "
             f"disagg.lease_s={s.lease_s:g} (the prefill side must keep the blocks for as long as a pull may take)",
         )
+    if s.max_restarts < 0:
+        problems.error(
+            "disagg.max_restarts",
+            f"disagg.max_restarts={s.max_restarts} must be >= 0 (0: a dead instance ends the run)",
+        )
     if s.max_pulls_per_step < 1:
         problems.error("disagg.max_pulls_per_step", f"disagg.max_pulls_per_step={s.max_pulls_per_step} must be >= 1")
     for key in ("prefill_url", "decode_url"):

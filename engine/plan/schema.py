@@ -132,6 +132,7 @@ class DisaggSection:
     failure_policy: str = "fail"  # a failed pull: "fail" the request or "recompute" the prompt on the decode side
     max_pulls_per_step: int = 16  # sequences the decode side admits with a pull in one step
     measure_raw: bool = False  # benchmarks: also time one single-region READ of the same bytes
+    max_restarts: int = 3  # `dcpctl run` restarts a dead instance this often within 10 minutes (0: the run fails)
 
 
 @dataclass

@@ -10,6 +10,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 START_TIMEOUT_S = 60.0
+# How long a server keeps an idle keep-alive connection open: longer than common clients keep one in their pools
+# (httpx 5 s, aiohttp 15 s, a cloud load balancer 60 s). A server that closes first races the client's next
+# request on that connection: the request meets a closing socket, and the client sees "connection reset by peer"
+# with nothing logged anywhere (issue 33).
+SERVER_KEEP_ALIVE_S = 75
 
 
 def uvicorn_server(
@@ -19,9 +24,12 @@ def uvicorn_server(
     after_shutdown: Callable[[], Awaitable[None]] | None = None,
     **config: Any,
 ) -> Any:
-    """A quiet uvicorn server for `app` (no lifespan, no access log) that calls `banner()` once it listens and awaits
-    `before_shutdown()` / `after_shutdown()` around its own shutdown; `config`: further uvicorn.Config options."""
+    """A quiet uvicorn server for `app` (no lifespan, no access log, idle connections kept SERVER_KEEP_ALIVE_S) that
+    calls `banner()` once it listens and awaits `before_shutdown()` / `after_shutdown()` around its own shutdown;
+    `config`: further uvicorn.Config options."""
     import uvicorn
+
+    config.setdefault("timeout_keep_alive", SERVER_KEEP_ALIVE_S)
 
     class _Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:

@@ -2,14 +2,16 @@
 the plan's serve.port. `dcpctl run` starts all three on one node (`--role all`), or one piece at a time for several
 nodes (`--role prefill|decode|router`, with `disagg.prefill_url` / `disagg.decode_url` saying where the others are).
 
-The instances are subprocesses of this one (`python -m engine.serve_entry PLAN --role ...`), their output in a log
-each; the router runs here. An instance that dies is reported by the router's health (and its log's error); the
-router stays up. Stopping this process stops both instances.
+With `--role all` the three are subprocesses of this one (`python -m engine.serve_entry PLAN --role ...`), their
+output in a log each, and this process supervises them (`supervision.py`): a dead instance is reported and
+restarted, a dead router ends the run. Stopping this process stops all three; should it die outright, they notice
+and stop themselves (SUPERVISOR_ENV).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import tempfile
 from pathlib import Path
@@ -17,20 +19,31 @@ from types import TracebackType
 
 from engine.errors import UserError
 from engine.runtime.launcher import free_port
-from engine.serving.hosting import bind_socket
+from engine.serving.hosting import bind_socket, configure_logging
 from engine.serving.plan_server import PlanServer, connect_host, sigterm_interrupts
 from engine.serving.router import Router, router_server, start_router
+from engine.serving.supervision import RESTART_WINDOW_S, SUPERVISOR_ENV, Supervisor
 
 INSTANCE_ROLES = ("prefill", "decode")
 
 
 class Deployment:
-    """The prefill and decode instances of a P/D plan on this node, started and stopped together."""
+    """The prefill and decode instances of a P/D plan on this node (and, given `router_at` (host, port), the router
+    in a process of its own), started and stopped together."""
 
-    def __init__(self, source: str, name: str, overrides: list[str], prefill_port: int, decode_port: int):
+    def __init__(
+        self,
+        source: str,
+        name: str,
+        overrides: list[str],
+        prefill_port: int,
+        decode_port: int,
+        router_at: tuple[str, int] | None = None,
+    ):
         self.run_dir = Path(tempfile.mkdtemp(prefix="dcpctl-pd-"))
         prefill_port = prefill_port or free_port()
         decode_port = decode_port or free_port()
+        env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
         self.prefill = PlanServer(
             source,
             overrides,
@@ -39,6 +52,7 @@ class Deployment:
             args=["--role", "prefill"],
             label=f"{name} (prefill)",
             log_path=self.run_dir / "prefill.log",
+            env=env,
         )
         self.decode = PlanServer(
             source,
@@ -48,23 +62,41 @@ class Deployment:
             args=["--role", "decode"],
             label=f"{name} (decode)",
             log_path=self.run_dir / "decode.log",
+            env=env,
         )
+        self.router_process: PlanServer | None = None
+        if router_at is not None:
+            urls = [f"disagg.prefill_url={self.prefill.base_url}", f"disagg.decode_url={self.decode.base_url}"]
+            self.router_process = PlanServer(
+                source,
+                [*overrides, *urls],
+                host=router_at[0],
+                port=router_at[1] or free_port(connect_host(router_at[0])),
+                args=["--role", "router"],
+                label=f"{name} (router)",
+                log_path=self.run_dir / "router.log",
+                env=env,
+            )
+
+    @property
+    def processes(self) -> list[PlanServer]:
+        return [s for s in (self.prefill, self.decode, self.router_process) if s is not None]
 
     def start(self) -> Deployment:
-        """Start both instances and wait until both are healthy; a UserError names the one that failed."""
+        """Start the processes and wait until all are healthy; a UserError names the one that failed."""
         with sigterm_interrupts():
             try:
-                self.prefill.start()
-                self.decode.start()
-                self.prefill.wait_healthy()
-                self.decode.wait_healthy()
+                for server in self.processes:
+                    server.start()
+                for server in self.processes:
+                    server.wait_healthy()
             except BaseException:
                 self.stop()
                 raise
         return self
 
     def stop(self) -> None:
-        for server in (self.decode, self.prefill):
+        for server in reversed(self.processes):
             with contextlib.suppress(Exception):
                 server.stop()
 
@@ -87,21 +119,30 @@ def serve_router(router: Router, sock: socket.socket, name: str, where: str) -> 
     def banner() -> None:
         print(f"serving {name} on http://{host}:{bound} ({where})", flush=True)
 
+    configure_logging()
     with contextlib.suppress(KeyboardInterrupt):
         router_server(router, banner).run(sockets=[sock])
 
 
 def serve_deployment(source: str, name: str, overrides: list[str], section, serve) -> None:
-    """`--role all`: both instances on this node and the router on serve.port, until SIGINT/SIGTERM.
-
-    The router's port is bound before the instances start (which takes a while), so that nothing else takes it
-    meanwhile; it answers once both instances are healthy."""
-    sock = bind_socket(serve.host, serve.port)
-    with Deployment(source, name, overrides, section.prefill_port, section.decode_port) as deployment:
-        where = (
-            f"prefill {deployment.prefill.base_url}, decode {deployment.decode.base_url}; logs in {deployment.run_dir}"
-        )
-        serve_router(deployment.router(), sock, serve.model_name or name, where)
+    """`--role all`: both instances and the router on serve.port, supervised until SIGINT/SIGTERM (a clean stop:
+    this returns); a UserError when the deployment cannot go on (a dead router, an instance out of restarts)."""
+    with sigterm_interrupts(), contextlib.suppress(KeyboardInterrupt):
+        router_at = (serve.host, serve.port)
+        with Deployment(source, name, overrides, section.prefill_port, section.decode_port, router_at) as deployment:
+            router = deployment.router_process
+            restarts = (
+                f"up to {section.max_restarts} restarts of each within {RESTART_WINDOW_S / 60:.0f} minutes"
+                if section.max_restarts
+                else "a dead instance ends the run"
+            )
+            print(
+                f"serving {name} on http://{serve.host}:{router.port} (prefill {deployment.prefill.base_url}, decode "
+                f"{deployment.decode.base_url}; {restarts}; logs in {deployment.run_dir})",
+                flush=True,
+            )
+            instances = {"prefill": deployment.prefill, "decode": deployment.decode}
+            Supervisor(instances, router, section.max_restarts, deployment.run_dir).run()
 
 
 def serve_router_role(name: str, section, serve) -> None:

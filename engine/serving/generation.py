@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -19,6 +20,8 @@ from engine.core.sequence import SamplingParams, TokenLogprob
 from engine.serving.engine_loop import EngineLoop, EngineRequest, Sink, Update
 from engine.serving.handoff import Claimed, PrefillLink
 from engine.serving.responses import ResponseHead, ServerError, error_body, new_id, stop_holdback
+
+logger = logging.getLogger("dcpctl.server")
 
 _DISCONNECTED = object()
 
@@ -208,7 +211,8 @@ def _sse(payload: dict | str) -> str:
 
 
 def event_stream(gen: Generation, chunks: AsyncIterator[dict]) -> StreamingResponse:
-    """The chunks as server-sent events, then `[DONE]`; an engine error after the 200 is sent goes in-band."""
+    """The chunks as server-sent events, then `[DONE]`; an error after the 200 is sent goes in-band (an unexpected
+    one is logged with its traceback too): a stream ends with `[DONE]` unless its client left."""
 
     async def body():
         try:
@@ -220,6 +224,10 @@ def event_stream(gen: Generation, chunks: AsyncIterator[dict]) -> StreamingRespo
         except ServerError as exc:
             # the 200 status is already sent: report in-band, as vLLM does
             yield _sse(error_body(str(exc), exc.status, exc.param, exc.code))
+            yield _sse("[DONE]")
+        except Exception as exc:  # a bug: the client still gets an ending, not a connection cut mid-stream
+            logger.error("a stream failed unexpectedly; the client gets an error event", exc_info=exc)
+            yield _sse(error_body(f"internal error: {type(exc).__name__}: {exc}", 500))
             yield _sse("[DONE]")
         finally:
             gen.close()

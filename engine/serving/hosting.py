@@ -68,7 +68,6 @@ def _uvicorn_server(app: FastAPI, engine_loop: EngineLoop, banner: Callable[[], 
         before_shutdown,
         after_shutdown,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-        timeout_keep_alive=30,
     )
 
 
@@ -126,11 +125,11 @@ def serve_plan(resolved: ResolvedPlan, kv_role: KVRole | None = None) -> None:
     if engine is None:
         return
     serve = resolved.plan.serve
-    _configure_logging()
+    configure_logging()
     serve_engine(engine, serve.host, serve.port, serve.model_name or resolved.name)
 
 
-def _configure_logging() -> None:
+def configure_logging() -> None:
     """The server's and the engine's log lines (dcpctl.*) to stderr."""
     root = logging.getLogger("dcpctl")
     if not root.handlers:

@@ -112,7 +112,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ServerError)
     async def _server_error(_: Request, exc: ServerError):
-        return JSONResponse(error_body(str(exc), exc.status, exc.param, exc.code), status_code=exc.status)
+        body = error_body(str(exc), exc.status, exc.param, exc.code)
+        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):

@@ -6,6 +6,8 @@ The generating endpoints live in `completions.py` and `chat.py`; every endpoint 
 
 from __future__ import annotations
 
+import uuid
+
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
@@ -35,6 +37,7 @@ class OpenAIServer:
     def __init__(self, engine_loop: EngineLoop, model_name: str):
         self.engine_loop = engine_loop
         self.model = ServedModel(engine_loop, model_name)
+        self.instance_id = uuid.uuid4().hex  # this process: a router counts a new one behind a URL as a restart
         self.app = self._build_app()
 
     def _build_app(self) -> FastAPI:
@@ -87,7 +90,7 @@ class OpenAIServer:
     async def health(self):
         """200 while the engine runs; 503 after a fatal engine error or during shutdown."""
         if self.engine_loop.healthy:
-            return {"status": "ok"}
+            return {"status": "ok", "instance_id": self.instance_id}
         return JSONResponse({"status": "unhealthy", "error": self.engine_loop.unavailable_reason()}, status_code=503)
 
     async def models(self):

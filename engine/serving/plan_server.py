@@ -194,6 +194,16 @@ class PlanServer:
             )
         return self
 
+    def restart(self, log_path: Path) -> PlanServer:
+        """Start a new process in place of one that has exited (same command and port, its output to `log_path`, so
+        that the old log stays as it was); whatever of the old process tree is left is killed first."""
+        assert self.proc is not None and self.proc.poll() is not None, "restart() replaces an exited server"
+        self.stop()
+        self.proc, self._tree = None, {}
+        self.started_at = self.time_to_healthy_s = self.returncode = None
+        self.log_path = Path(log_path)
+        return self.start()
+
     def wait_healthy(self) -> float:
         """Poll GET /health until 200; return seconds since start. ServerStartError if the process exits or times
         out."""

@@ -15,11 +15,19 @@ from engine.core.sequence import TokenLogprob
 class ServerError(Exception):
     """An error with an HTTP status, sent to the client in OpenAI's error shape."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.param = param
         self.code = code
+        self.headers = headers  # e.g. a 503's Retry-After
 
 
 def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
