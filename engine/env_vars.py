@@ -76,6 +76,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "engine.kv_transfer.transport",
     ),
     EnvVar(
+        "DCPCTL_SUPERVISOR_PID",
+        "unset",
+        "Set by `dcpctl run` for the processes of a P/D deployment it supervises (its own pid): each stops itself "
+        "within a second when that process is gone. Not for users.",
+        "engine.serving.supervision",
+    ),
+    EnvVar(
         "OMP_WAIT_POLICY",
         "PASSIVE (set by dcpctl unless you set it)",
         "OpenMP threads sleep after a short spin at the end of a parallel region (see GOMP_SPINCOUNT).",
