@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.core.sequence import SamplingParams, Sequence, TokenLogprob
+from engine.core.speculative import SpecCounters
 from engine.core.startup import start_engine
 from engine.errors import UserError
 from engine.plan.checks import resolve_plan
@@ -37,6 +38,7 @@ class RequestOutput:
     ttft_s: float | None
     latency_s: float | None
     error: str | None = None  # why the request was rejected or failed (finish_reason "error")
+    speculative: SpecCounters | None = None  # speculative decoding: proposals verified and accepted
 
     @classmethod
     def rejected(cls, prompt: str | list[int], reason: str) -> RequestOutput:
@@ -76,6 +78,7 @@ class RequestOutput:
             ttft_s=ttft,
             latency_s=latency,
             error=seq.error,
+            speculative=seq.spec,
         )
 
 

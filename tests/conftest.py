@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -73,6 +74,40 @@ def tiny_models(tmp_path_factory):
         if key not in made:
             name = "-".join([arch, str(seed), *(f"{k}{v}" for k, v in sorted(sizes.items()))])
             made[key] = make_tiny_checkpoint(root / name, arch, seed=seed, **sizes)
+        return made[key]
+
+    return _get
+
+
+ECHO_OUT_SCALE = 0.4  # o_proj / down_proj scaled by this: the token embedding about as strong as the layers
+
+
+@pytest.fixture(scope="session")
+def echo_models(tiny_models, tmp_path_factory):
+    """Tiny checkpoints whose greedy output often repeats itself: echo_models(arch, **sizes) -> folder.
+
+    A tiny random model's output never repeats, so prompt lookup (ngram speculation) never guesses right. With tied
+    embeddings and the layers' output projections scaled down, the token embedding competes with the layers:
+    greedy runs mix repeats (proposals accepted), short runs (partly accepted) and fresh tokens (rejected), while
+    every logit still depends on attention over the whole cached context.
+    """
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("echo")
+    made: dict[tuple, Path] = {}
+
+    def _get(arch: str, **sizes) -> Path:
+        key = (arch, tuple(sorted(sizes.items())))
+        if key not in made:
+            src = tiny_models(arch, tie_word_embeddings=True, **sizes)
+            dst = root / src.name
+            shutil.copytree(src, dst)
+            weights = load_file(dst / "model.safetensors")
+            for name, tensor in weights.items():
+                if "o_proj" in name or "down_proj" in name:
+                    weights[name] = tensor * ECHO_OUT_SCALE
+            save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+            made[key] = dst
         return made[key]
 
     return _get

@@ -103,6 +103,18 @@ class BlockManager:
         self._note_peak()
         return True
 
+    def shrink(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` positions, which `grow` took for positions that were
+        never kept (rejected speculative tokens): each goes back where `grow` took it from, so the pool is as if
+        it had not been taken. They hold no registered prefix (only blocks of computed tokens are registered)."""
+        keep = self.blocks_for(num_tokens)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            assert self.ref_counts[block] == 1 and self.block_hash[block] is None, "a shrunk block was shared"
+            self.ref_counts[block] = 0
+            self.free[block] = None
+            self.free.move_to_end(block, last=not self.prefix_caching)
+
     def commit(self, seq: Sequence) -> None:
         """Register the sequence's blocks that are now full of computed tokens as reusable."""
         if not self.prefix_caching:

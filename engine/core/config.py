@@ -8,6 +8,7 @@ from pathlib import Path
 
 from engine.checkpoints.model_info import ModelInfo
 from engine.core.scheduler import SchedulerConfig
+from engine.core.speculative import SpeculativeConfig
 from engine.errors import UserError
 from engine.kv_transfer.handles import KVRole
 from engine.parallel_layout import ParallelLayout
@@ -41,6 +42,7 @@ class EngineConfig:
     threads_per_rank: int
     local_world_size: int  # ranks on this node, which share its cores
     kv_role: KVRole | None = None  # P/D: this instance's part in the hand-off
+    speculative: SpeculativeConfig | None = None  # speculative decoding (speculative_config), None: off
 
     @classmethod
     def from_plan(cls, resolved: ResolvedPlan, kv_role: KVRole | None = None) -> EngineConfig:
@@ -78,4 +80,5 @@ class EngineConfig:
             threads_per_rank=plan.launch.threads_per_rank,
             local_world_size=resolved.local_world_size,
             kv_role=kv_role,
+            speculative=resolved.speculative,
         )

@@ -19,14 +19,15 @@ from engine.core.block_manager import BlockManager
 from engine.core.config import EngineConfig
 from engine.core.detokenizer import Detokenizer
 from engine.core.handoff import Handoff
-from engine.core.sampler import INVALID, sample, token_logprobs
+from engine.core.sampler import INVALID, sample, token_logprobs, verify
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import SamplingParams, Sequence
+from engine.core.speculative import SpecCounters
 from engine.distributed import ParallelContext, broadcast_object
 from engine.errors import UserError
 from engine.kv_transfer.handles import RankEndpoint, RemotePrefill
 from engine.runtime.model_runner import ModelRunner, StepLogits
-from engine.runtime.step import ScheduledStep
+from engine.runtime.step import ScheduledChunk, ScheduledStep
 
 logger = logging.getLogger("dcpctl.engine")
 
@@ -98,11 +99,12 @@ class LLMEngine:
         self.eos_ids = _eos_ids(config.model_path, AutoConfig.from_pretrained(config.model_path), self.tokenizer)
         cache = runner.cache_layout
         self.blocks = BlockManager(cache.num_blocks, cache.block_size, par.dcp_size, config.prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.blocks, config.kv_role)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, config.kv_role, config.speculative)
         self.handoff = Handoff.for_role(config, par, self.blocks, prefill_ranks)
         self.requests: dict[str, Sequence] = {}
         self.generators: dict[int, torch.Generator] = {}
         self.counters = EngineCounters()
+        self.spec_counters = SpecCounters()
         self._ids = itertools.count()
         self._stopped = False
 
@@ -186,6 +188,7 @@ class LLMEngine:
             "generated_tokens": counters.generated_tokens,
             "preemptions": scheduler.num_preemptions,
             "prefix_hit_tokens": blocks.prefix_hit_tokens,
+            **({"speculative": self.spec_counters.as_dict()} if self.config.speculative is not None else {}),
         }
 
     def _finish(self, seq: Sequence, reason: str, flush: bool = True) -> None:
@@ -244,39 +247,66 @@ class LLMEngine:
                     self._fail(seq, "computing prompt logprobs", exc)
                     updated.append(seq)
                     continue
-            if chunk.sample:
+            if chunk.sample and chunk.num_draft:
+                updated.append(seq)
+                self._verify(seq, chunk, result.logits[first : first + count])
+            elif chunk.sample:
                 sampled_rows.append(first + count - 1)
                 sampled_seqs.append(seq)
         if not sampled_seqs:
             return updated
         logits = result.logits[sampled_rows]
         tokens = self._sample(logits, sampled_seqs)
-        now = time.perf_counter()
         for row, (seq, token) in enumerate(zip(sampled_seqs, tokens, strict=True)):
             updated.append(seq)
             if isinstance(token, Exception):
                 self._fail(seq, "sampling", token)
                 continue
-            if token == INVALID:
-                self._fail(seq, "sampling", "the next-token distribution has NaN or infinite values")
+            if seq.params.max_tokens == 0 and token != INVALID:
+                self._finish(seq, "length")
                 continue
-            try:
-                if seq.params.max_tokens == 0:
-                    self._finish(seq, "length")
-                    continue
-                if seq.params.logprobs is not None:
-                    seq.logprobs.extend(token_logprobs(logits[row : row + 1], [token], seq.params.logprobs))
-                seq.token_ids.append(token)
-                self.counters.generated_tokens += 1
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                    self.handoff.first_token(seq, now)
-                self._check_stop(seq, token)
-            except Exception as exc:
-                if seq.is_finished:  # it failed after the scheduler released it: the engine's own state is suspect
-                    raise
-                self._fail(seq, "detokenizing or checking stops", exc)
+            self._emit(seq, token, logits[row : row + 1])
         return updated
+
+    def _emit(self, seq: Sequence, token: int, logits: torch.Tensor) -> None:
+        """Append a sampled token (its logprobs from `logits` [1, V]) and check the stops; a failure finishes only
+        this sequence."""
+        if token == INVALID:
+            return self._fail(seq, "sampling", "the next-token distribution has NaN or infinite values")
+        try:
+            if seq.params.logprobs is not None:
+                seq.logprobs.extend(token_logprobs(logits, [token], seq.params.logprobs))
+            seq.token_ids.append(token)
+            self.counters.generated_tokens += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = time.perf_counter()
+                self.handoff.first_token(seq, seq.first_token_time)
+            self._check_stop(seq, token)
+        except Exception as exc:
+            if seq.is_finished:  # it failed after the scheduler released it: the engine's own state is suspect
+                raise
+            self._fail(seq, "detokenizing or checking stops", exc)
+        return None
+
+    def _verify(self, seq: Sequence, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
+        """Accept a prefix of the chunk's proposals plus one token (`sampler.verify`), one token at a time as a
+        decode would (stops, max_tokens and EOS can end it inside the run), then roll back the rest."""
+        draft = chunk.token_ids[-chunk.num_draft :]
+        try:
+            tokens = verify(logits, draft, seq.params, self.generators.get(seq.seq_id))
+        except Exception as exc:
+            return self._fail(seq, "sampling", exc)
+        accepted = len(tokens) - 1
+        seq.spec.record(len(draft), accepted)
+        self.spec_counters.record(len(draft), accepted)
+        for j, token in enumerate(tokens):
+            # KV is valid through the j-th accepted proposal: exactly what a decode of the same tokens would hold
+            self.scheduler.computed(seq, chunk.start + 1 + j)
+            self._emit(seq, token, logits[j : j + 1])
+            if seq.is_finished:
+                return None
+        self.scheduler.rollback(seq)
+        return None
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
         """A token (or `INVALID`) per row; if the batch raises, each row alone, so only the rows at fault fail."""

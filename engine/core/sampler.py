@@ -18,21 +18,14 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> torch.Tensor:
-    """One token id per row of fp32 `logits` [S, V].
-
-    A sampled (non-greedy) row whose distribution is not finite (NaN or +inf logits) gets `INVALID` instead of
-    a token; the other rows are drawn exactly as they would be without it.
-    """
-    greedy_rows = [p.greedy for p in params]
-    if all(greedy_rows):
-        return greedy(logits)
+def _sorted_distribution(
+    logits: torch.Tensor, params: list[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's sampling distribution after temperature, top-k and top-p, over the vocabulary sorted by logit
+    (descending): (probabilities, the sorted token ids, rows with no distribution: NaN or +inf logits, their
+    probabilities set to 1 so that a draw does not fail). Greedy rows get temperature 1 (their draw is replaced)."""
     device, vocab = logits.device, logits.shape[-1]
-    temperature = torch.tensor(
-        [1.0 if g else p.temperature for p, g in zip(params, greedy_rows, strict=True)], device=device
-    ).unsqueeze(1)
+    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device).unsqueeze(1)
     # shifted by the row max so that any temperature > 0 divides without overflow (softmax is shift-invariant);
     # a temperature below float32's range would round to 0 and divide 0 by 0
     finfo = torch.finfo(torch.float32)
@@ -47,7 +40,23 @@ def sample(
     probs = probs.masked_fill(beyond, 0.0)
     no_distribution = ~(probs.sum(dim=-1) > 0)  # NaN anywhere in a row makes its sum NaN
     if no_distribution.any():
-        probs[no_distribution] = 1.0  # something to draw from; the row's token is replaced below
+        probs[no_distribution] = 1.0  # something to draw from; the row's token is replaced by the caller
+    return probs, order, no_distribution
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """One token id per row of fp32 `logits` [S, V].
+
+    A sampled (non-greedy) row whose distribution is not finite (NaN or +inf logits) gets `INVALID` instead of
+    a token; the other rows are drawn exactly as they would be without it.
+    """
+    greedy_rows = [p.greedy for p in params]
+    if all(greedy_rows):
+        return greedy(logits)
+    device = logits.device
+    probs, order, no_distribution = _sorted_distribution(logits, params)
     chosen = torch.empty(len(params), dtype=torch.int64, device=device)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
@@ -60,6 +69,48 @@ def sample(
     if greedy_idx:
         tokens[greedy_idx] = greedy(logits[greedy_idx])
     return tokens.masked_fill(no_distribution & ~torch.tensor(greedy_rows, device=device), INVALID)
+
+
+def verify(
+    logits: torch.Tensor, draft: list[int], params: SamplingParams, generator: torch.Generator | None
+) -> list[int]:
+    """The tokens a speculative step yields: the accepted prefix of `draft` and one token of the model's own.
+
+    `logits` [len(draft) + 1, V]: row i is the next-token distribution after the i-th proposal (row 0: after the
+    token before them). Greedy: proposals are accepted while each is the argmax, then the argmax follows.
+    Sampled: rejection sampling (Leviathan et al. 2023) against the ngram draft, whose distribution is a point
+    mass on its proposal x: x is accepted with probability p(x) (p: the row's distribution after temperature,
+    top-k and top-p); on rejection the token is drawn from p with x removed, renormalised; after k acceptances
+    the bonus token is drawn from the last row. Each token is thereby distributed exactly as without
+    speculation. Draws use the request's generator (its seed) like `sample`. A row with no distribution ends the
+    list with `INVALID`.
+    """
+    if params.greedy:
+        targets = greedy(logits).tolist()
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == targets[accepted]:
+            accepted += 1
+        return [*draft[:accepted], targets[accepted]]
+    sorted_probs, order, no_distribution = _sorted_distribution(logits, [params] * logits.shape[0])
+    # back in vocabulary order, and normalised (top-p leaves a row summing to less than 1)
+    probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
+    probs /= probs.sum(dim=-1, keepdim=True)
+    invalid = no_distribution.tolist()
+    tokens: list[int] = []
+    for row, proposal in enumerate(draft):
+        if invalid[row]:
+            return [*tokens, INVALID]
+        p = probs[row]
+        residual = p.clone()
+        residual[proposal] = 0.0
+        # a residual of no mass: p is all on the proposal, up to rounding
+        if float(torch.rand(1, generator=generator, device=p.device)) < float(p[proposal]) or not residual.sum() > 0:
+            tokens.append(proposal)
+            continue
+        return [*tokens, int(torch.multinomial(residual, 1, generator=generator)[0])]
+    if invalid[len(draft)]:
+        return [*tokens, INVALID]
+    return [*tokens, int(torch.multinomial(probs[len(draft)], 1, generator=generator)[0])]
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], top_n: int) -> list[TokenLogprob]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from engine.core.block_manager import BlockManager
 from engine.core.sequence import Sequence, SequenceStatus
+from engine.core.speculative import SpeculativeConfig, propose_ngram
 from engine.kv_transfer.handles import LEASE_MARGIN_S, KVPull, KVRole
 from engine.runtime.step import ScheduledChunk, ScheduledStep
 
@@ -33,10 +34,17 @@ class SchedulerConfig:
 class Scheduler:
     """Owns the waiting queue and the running batch; plain Python, no torch."""
 
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, kv_role: KVRole | None = None):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        blocks: BlockManager,
+        kv_role: KVRole | None = None,
+        speculative: SpeculativeConfig | None = None,
+    ):
         self.config = config
         self.blocks = blocks
         self.kv_role = kv_role
+        self.speculative = speculative
         self.failed: list[Sequence] = []  # finished with an error while scheduling (taken by the engine)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -73,17 +81,35 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
 
-    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
+    def _chunk(self, seq: Sequence, n: int, draft: list[int]) -> ScheduledChunk:
         start = seq.num_computed_tokens
         wants_prompt_logprobs = seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens
         return ScheduledChunk(
             seq_id=seq.seq_id,
-            token_ids=seq.token_ids[start : start + n],
+            token_ids=seq.token_ids[start : start + n] + draft,
             start=start,
             block_table=list(seq.block_table),
             sample=start + n == len(seq),
             prompt_logprobs=wants_prompt_logprobs,
+            num_draft=len(draft),
         )
+
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """Proposals for a decoding sequence, within the token budget, max_tokens and max_model_len, and only where
+        the blocks for them are free (speculation never preempts); the blocks are taken."""
+        spec = self.speculative
+        if spec is None or seq.num_uncomputed_tokens != 1:
+            return []
+        room = min(
+            spec.num_speculative_tokens,
+            budget - 1,
+            seq.params.max_tokens - seq.num_output_tokens - 1,  # the step also yields a token of its own
+            self.config.max_model_len - len(seq) - 1,
+        )
+        draft = propose_ngram(seq.token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if draft and not self.blocks.grow(seq, len(seq) + len(draft)):
+            return []
+        return draft
 
     def _fit(self, remaining: int, budget: int) -> int:
         if remaining <= budget:
@@ -94,6 +120,7 @@ class Scheduler:
         """Choose this step's chunks; returns the step and the sequences in chunk order."""
         budget = self.config.max_num_batched_tokens
         picked: list[tuple[Sequence, int]] = []
+        drafts: dict[int, list[int]] = {}
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
@@ -101,7 +128,8 @@ class Scheduler:
             if n == 0:
                 index += 1
                 continue
-            while not self.blocks.grow(seq, seq.num_computed_tokens + n):
+            draft = drafts[seq.seq_id] = self._draft(seq, budget)
+            while not draft and not self.blocks.grow(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
@@ -109,7 +137,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 break
             picked.append((seq, n))
-            budget -= n
+            budget -= n + len(draft)
             index += 1
         pulls: list[KVPull] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -135,8 +163,9 @@ class Scheduler:
             self.peak_running = max(self.peak_running, len(self.running))
             picked.append((seq, n))
             budget -= n
-        picked.sort(key=lambda item: item[1] == 1)  # prefill chunks first, decodes last (stable)
-        step = ScheduledStep([self._chunk(seq, n) for seq, n in picked], pulls)
+        # prefill chunks and verifications first, decodes last (stable)
+        picked.sort(key=lambda item: item[1] + len(drafts.get(item[0].seq_id, ())) == 1)
+        step = ScheduledStep([self._chunk(seq, n, drafts.get(seq.seq_id, [])) for seq, n in picked], pulls)
         return step, [seq for seq, _ in picked]
 
     def _lease_too_short(self, seq: Sequence) -> bool:
@@ -177,7 +206,19 @@ class Scheduler:
         """Advance each scheduled sequence by the tokens it computed and register full blocks (not the `skip`
         sequence ids: their pull failed, so their blocks hold no valid KV)."""
         for seq, chunk in zip(seqs, step.chunks, strict=True):
-            if seq.seq_id in skip:
+            if seq.seq_id in skip or chunk.num_draft:  # a verification advances by what is accepted (`computed`)
                 continue
             seq.num_computed_tokens = chunk.start + len(chunk.token_ids)
             self.blocks.commit(seq)
+
+    def computed(self, seq: Sequence, num_tokens: int) -> None:
+        """A verified sequence's first `num_tokens` positions hold KV of its own tokens (the last one before the
+        proposals and the accepted ones): advance to them and register the blocks they fill."""
+        seq.num_computed_tokens = num_tokens
+        self.blocks.commit(seq)
+
+    def rollback(self, seq: Sequence) -> None:
+        """After a verification: give back the blocks taken only for rejected proposals. Their KV on every rank
+        is past the sequence's computed length, so no later step reads it (each rank's local length and slots
+        come from that length through `engine.dcp`), and the next step overwrites it."""
+        self.blocks.shrink(seq, seq.num_computed_tokens)

@@ -9,6 +9,7 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from engine.core.speculative import SpecCounters
 from engine.errors import UserError
 from engine.kv_transfer.handles import RemotePrefill
 
@@ -96,6 +97,7 @@ class Sequence:
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob | None] = []
         self.num_preemptions = 0
+        self.spec = SpecCounters()  # speculative decoding: proposals verified and accepted
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

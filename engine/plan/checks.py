@@ -22,6 +22,7 @@ from engine.plan.model_checks import check_kv, check_model, read_model
 from engine.plan.resolved import ResolvedPlan
 from engine.plan.runtime_choices import resolve_backend, resolve_cpu_comm, resolve_cpu_paths, resolve_dtypes
 from engine.plan.schema import DEVICES
+from engine.plan.speculative import check_speculative
 from engine.plan.validation import PlanCheck, PlanProblems
 
 
@@ -49,6 +50,7 @@ def check_plan(
         check_model(problems, res, info, dense_set="parallel.dense" in loaded.origins)
     resolve_dtypes(res)
     check_fields(problems, res)
+    res.speculative = check_speculative(problems, plan.speculative_config)
     resolve_backend(problems, res)
     resolve_cpu_paths(problems, res)
     resolve_cpu_comm(problems, res)

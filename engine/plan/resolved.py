@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.checkpoints.model_info import ModelInfo
+from engine.core.speculative import SpeculativeConfig
 from engine.kernels.cpu_paths import CpuPaths
 from engine.parallel_layout import ParallelLayout
 from engine.placement.split import DensePlacement
@@ -52,6 +53,7 @@ class ResolvedPlan:
     cpu_paths: CpuPaths | None = None  # CPU plans: the ISA level and the kernels chosen from it
     cpu_comm: str = ""  # CPU plans: "shm" or "gloo", what carries the tensor collectives between ranks
     disagg: DisaggPlan | None = None  # P/D plans: the deployment (this plan is its decode side)
+    speculative: SpeculativeConfig | None = None  # speculative_config, when it asks for speculative decoding
 
     @property
     def name(self) -> str:

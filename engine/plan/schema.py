@@ -136,6 +136,17 @@ class DisaggSection:
 
 
 @dataclass
+class SpeculativeSection:
+    """Speculative decoding, with vLLM's `--speculative-config` names; unset `method`: off."""
+
+    method: str | None = None  # ngram (prompt lookup: proposals copied from earlier in the sequence)
+    num_speculative_tokens: int | None = None  # tokens proposed per step and verified in one forward (k)
+    prompt_lookup_min: int | None = None  # ngram: shortest suffix n-gram to look up (default: prompt_lookup_max)
+    prompt_lookup_max: int | None = None  # ngram: longest suffix n-gram to look up (default: prompt_lookup_min, or 5)
+    model: str | None = None  # draft_model: the draft checkpoint (not supported yet)
+
+
+@dataclass
 class Plan:
     name: str = ""  # shown in tables and reports; default: the file's stem
     description: str = ""  # one line shown by plan show
@@ -148,3 +159,4 @@ class Plan:
     launch: LaunchSection = field(default_factory=LaunchSection)
     serve: ServeSection = field(default_factory=ServeSection)
     disagg: DisaggSection = field(default_factory=DisaggSection)
+    speculative_config: SpeculativeSection = field(default_factory=SpeculativeSection)

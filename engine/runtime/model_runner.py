@@ -228,15 +228,9 @@ class ModelRunner:
         chunk_rows: list[tuple[int, int]] = []
         offset = 0
         for ch in chunks:
-            n = len(ch.token_ids)
-            if ch.prompt_logprobs:
-                chunk_rows.append((len(rows), n))
-                rows.extend(range(offset, offset + n))
-            elif ch.sample:
-                chunk_rows.append((len(rows), 1))
-                rows.append(offset + n - 1)
-            else:
-                chunk_rows.append((len(rows), 0))
+            n, count = len(ch.token_ids), ch.num_logit_rows
+            chunk_rows.append((len(rows), count))
+            rows.extend(range(offset + n - count, offset + n))
             offset += n
         if not rows:
             return None

@@ -17,11 +17,20 @@ class ScheduledChunk:
     block_table: list[int]
     sample: bool  # the chunk ends the known tokens: sample the next token from its last position
     prompt_logprobs: bool = False  # return logits for every position of the chunk
+    num_draft: int = 0  # speculative decoding: the chunk's last `num_draft` tokens are proposals to verify
 
     @property
     def is_decode(self) -> bool:
         """One new token attending to the cache: the decode path (also a 1-token prefill chunk)."""
         return len(self.token_ids) == 1
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Positions whose logits rank 0 needs: every one (prompt logprobs), the proposals' and the one before
+        them (a verification), the last (a sample), or none (a prompt chunk before the end)."""
+        if self.prompt_logprobs:
+            return len(self.token_ids)
+        return self.num_draft + 1 if self.sample else 0
 
 
 @dataclass

@@ -1,0 +1,388 @@
+"""Speculative decoding (ngram): the proposer, the block rollback, the verifier, and one-rank engine runs that must
+equal the same plan without speculation and HF transformers token for token. Layouts of several ranks:
+tests/test_speculative_layouts.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.core import engine as engine_module
+from engine.core.block_manager import BlockManager
+from engine.core.sampler import _sorted_distribution, verify
+from engine.core.sequence import Sequence
+from engine.core.speculative import propose_ngram
+from tests.oracle import LOGPROB_TOL, hf_greedy, prompt_ids, write_plan
+
+NGRAM = {
+    "speculative_config.method": "ngram",
+    "speculative_config.num_speculative_tokens": 4,
+    "speculative_config.prompt_lookup_min": 1,
+    "speculative_config.prompt_lookup_max": 3,
+}
+LENGTHS = [1, 6, 10, 17, 30, 50]
+NEW_TOKENS = 40
+
+
+def chi_square_p_value(counts_a: list[int], counts_b: list[int]) -> float:
+    """Two-sample chi-square test that two count vectors come from one distribution (categories of fewer than 10
+    expected counts pooled into one); the p-value."""
+    a, b = torch.tensor(counts_a, dtype=torch.float64), torch.tensor(counts_b, dtype=torch.float64)
+    total = a + b
+    rare = total < 10
+    if rare.any():
+        a = torch.cat([a[~rare], a[rare].sum().reshape(1)])
+        b = torch.cat([b[~rare], b[rare].sum().reshape(1)])
+        total = a + b
+    keep = total > 0
+    a, b, total = a[keep], b[keep], total[keep]
+    na, nb = a.sum(), b.sum()
+    expected_a, expected_b = total * na / (na + nb), total * nb / (na + nb)
+    statistic = ((a - expected_a) ** 2 / expected_a + (b - expected_b) ** 2 / expected_b).sum()
+    dof = len(total) - 1
+    if dof == 0:
+        return 1.0  # one category: nothing differs
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic / 2))
+
+
+# ---- the proposer ----
+
+
+@pytest.mark.parametrize(
+    ("tokens", "k", "min_n", "max_n", "proposal"),
+    [
+        ([1, 2, 3, 4, 2, 3], 4, 2, 3, [4, 2, 3]),  # vLLM's docstring: [4,2,3] has no match, [2,3] does; 3 follow
+        ([1, 2, 3, 4, 2, 3], 1, 2, 3, [4]),
+        ([5, 1, 2, 9, 1, 2, 7, 1, 2], 2, 1, 2, [9, 1]),  # the earliest of the longest matches
+        ([1, 2, 3, 8, 9, 3, 1, 2, 3], 3, 1, 3, [8, 9, 3]),  # [1,2,3] beats the later [3]
+        ([7, 7, 7, 7], 3, 1, 3, [7]),  # [7,7,7] at 0 is followed by the last token only
+        ([1, 2, 3, 4], 3, 1, 3, []),  # no match
+        ([1, 2, 1], 3, 2, 3, []),  # only a 1-gram matches: below prompt_lookup_min
+        ([4], 3, 1, 3, []),
+        ([1, 2, 1, 2], 0, 1, 3, []),  # no room
+    ],
+)
+def test_ngram_proposals_like_vllm(tokens, k, min_n, max_n, proposal):
+    assert propose_ngram(tokens, k, min_n, max_n) == proposal
+
+
+def test_ngram_matches_brute_force():
+    """Against the definition over many random sequences of a small alphabet (many matches of every length)."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(500):
+        tokens = torch.randint(0, 3, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+        k, min_n, max_n = 3, 1, 4
+        expected: list[int] = []
+        for n in range(max_n, min_n - 1, -1):
+            starts = [i for i in range(len(tokens) - n) if tokens[i : i + n] == tokens[len(tokens) - n :]]
+            if n < len(tokens) and starts:
+                expected = tokens[starts[0] + n : starts[0] + n + k]
+                break
+        assert propose_ngram(tokens, k, min_n, max_n) == expected, tokens
+
+
+# ---- block rollback ----
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("dcp_size", [1, 2])
+def test_shrink_gives_blocks_back_where_grow_took_them(prefix_caching, dcp_size):
+    """Growing for proposals and shrinking after rejecting them leaves the pool exactly as before."""
+    blocks = BlockManager(num_blocks=16, block_size=4, dcp_size=dcp_size, prefix_caching=prefix_caching)
+    span = 4 * dcp_size
+    other = Sequence("o", list(range(3 * span)), SamplingParams())
+    assert blocks.grow(other, 3 * span)
+    blocks.release(other)  # freed blocks: the free list is no longer in id order
+    seq = Sequence("s", list(range(span - 1)), SamplingParams())
+    assert blocks.grow(seq, span - 1)
+    seq.num_computed_tokens = span - 1
+    before = (list(blocks.free), list(blocks.ref_counts), list(seq.block_table), blocks.num_free_blocks)
+    assert blocks.grow(seq, span - 1 + 2 * span)  # proposals spill over two more virtual blocks
+    assert len(seq.block_table) == 3
+    blocks.shrink(seq, span - 1)
+    assert (list(blocks.free), list(blocks.ref_counts), list(seq.block_table), blocks.num_free_blocks) == before
+
+
+# ---- the verifier ----
+
+
+def test_greedy_verification_accepts_while_equal():
+    logits = torch.full((4, 8), -1.0)
+    for row, best in enumerate([5, 6, 1, 3]):
+        logits[row, best] = 2.0
+    greedy = SamplingParams(temperature=0)
+    assert verify(logits, [5, 6, 1], greedy, None) == [5, 6, 1, 3]  # all accepted, then the bonus token
+    assert verify(logits, [5, 2, 1], greedy, None) == [5, 6]  # partly accepted: the model's token replaces it
+    assert verify(logits, [0, 6, 1], greedy, None) == [5]  # rejected at the first token
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.8),
+    ],
+)
+def test_rejection_sampling_keeps_the_target_distribution(params):
+    """Whatever the proposal, each token the verifier yields is distributed as the sampler's own draw: the first
+    token over many seeds (accepted or redrawn) and the second (after an accepted first) match the target."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 12, generator=g) * 1.5
+    probs, order, _ = _sorted_distribution(logits, [params] * 3)
+    target = torch.zeros_like(probs).scatter_(1, order, probs)
+    target /= target.sum(dim=-1, keepdim=True)
+    proposal = [int(target[0].argsort()[-2]), int(target[1].argmax())]  # a likely but not the likeliest first
+    draws = 2000
+    first = [0] * 12
+    second = [0] * 12
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(draws):
+        tokens = verify(logits, proposal, params, generator)
+        first[tokens[0]] += 1
+        if tokens[0] == proposal[0] and len(tokens) > 1:
+            second[tokens[1]] += 1
+    for counts, row in ((first, 0), (second, 1)):
+        n = sum(counts)
+        expected = (target[row] * n).round().long().tolist()  # a sample the size of `counts` drawn exactly
+        assert chi_square_p_value(counts, expected) > 1e-3, (counts, expected)
+        assert all(c == 0 for c, p in zip(counts, target[row].tolist(), strict=True) if p == 0)  # top-k/top-p hold
+
+
+def test_chi_square_detects_a_different_distribution():
+    """The statistic used above can fail: a proposal accepted with probability 1 is caught."""
+    counts = [900, 100, 0, 0]
+    assert chi_square_p_value(counts, [500, 300, 150, 50]) < 1e-6
+
+
+# ---- one-rank engine runs ----
+
+
+class VerifySpy:
+    """Records (proposed, accepted) of every verification the engine runs (the real verifier does the work)."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[tuple[int, int]] = []
+        self.yielded: list[tuple[str, int, list[int]]] = []  # request id, output tokens before, tokens yielded
+        real_verify, real_step = engine_module.verify, engine_module.LLMEngine._verify
+        current: list = []
+
+        def verify_spy(logits, draft, params, generator):
+            tokens = real_verify(logits, draft, params, generator)
+            self.calls.append((len(draft), len(tokens) - 1))
+            seq = current[-1]
+            self.yielded.append((seq.request_id, seq.num_output_tokens, tokens))
+            return tokens
+
+        def step_spy(engine, seq, chunk, logits):
+            current.append(seq)
+            return real_step(engine, seq, chunk, logits)
+
+        monkeypatch.setattr(engine_module, "verify", verify_spy)
+        monkeypatch.setattr(engine_module.LLMEngine, "_verify", step_spy)
+
+    def assert_all_kinds(self) -> None:
+        """Proposals were accepted whole, accepted in part, and rejected at the first token."""
+        assert any(a == p for p, a in self.calls), self.calls
+        assert any(0 < a < p for p, a in self.calls), self.calls
+        assert any(a == 0 for _, a in self.calls), self.calls
+
+
+def greedy(n=NEW_TOKENS, **kw):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1, **kw)
+
+
+def run(tmp_path, folder, settings, prompts, params, name):
+    with LLM(write_plan(tmp_path, folder, settings, name)) as llm:
+        outputs = llm.generate(prompts, params)
+        stats = llm.engine.stats()
+        assert llm.engine.blocks.num_used_blocks == 0
+    return outputs, stats
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v2"])
+def test_greedy_equals_plain_and_hf(tmp_path, echo_models, monkeypatch, arch):
+    folder = echo_models(arch)
+    prompts = prompt_ids(len(LENGTHS), LENGTHS, seed=5)
+    plain, plain_stats = run(tmp_path, folder, {}, prompts, greedy(), "plain.yaml")
+    spy = VerifySpy(monkeypatch)
+    spec, stats = run(tmp_path, folder, NGRAM, prompts, greedy(), "spec.yaml")
+    spy.assert_all_kinds()
+    for ids, a, b in zip(prompts, plain, spec, strict=True):
+        assert b.token_ids == a.token_ids, f"prompt of {len(ids)} tokens diverged from the plain run"
+        tokens, logprobs = hf_greedy(folder, ids, NEW_TOKENS)
+        assert b.token_ids == tokens
+        ours = [lp.logprob for lp in b.logprobs]
+        assert max(abs(x - y) for x, y in zip(ours, logprobs, strict=True)) < LOGPROB_TOL
+    counts = stats["speculative"]
+    assert counts["proposed"] == sum(p for p, _ in spy.calls) > counts["accepted"] == sum(a for _, a in spy.calls) > 0
+    assert counts["proposed"] == sum(o.speculative.proposed for o in spec)
+    assert "speculative" not in plain_stats
+    assert stats["steps"] < plain_stats["steps"]  # several tokens per verification
+
+
+def _kv_of_computed(llm, seq) -> torch.Tensor:
+    """The cached K (and V) of the sequence's computed positions, every layer (one rank: slot = block * B + offset)."""
+    from engine import dcp
+    from engine.layers.attention import PagedAttention
+
+    c = llm.engine.runner.cache_layout
+    slots = [dcp.slot(p, 0, seq.block_table, c.block_size, c.interleave, 1) for p in range(seq.num_computed_tokens)]
+    blocks, offsets = torch.tensor(slots) // c.block_size, torch.tensor(slots) % c.block_size
+    parts = []
+    for layer in llm.engine.runner.model.modules():
+        if isinstance(layer, PagedAttention):
+            for cache in (layer.key_cache, layer.value_cache):
+                if cache is not None:
+                    parts.append(cache[blocks, offsets].flatten(1))
+    return torch.cat(parts, dim=1)
+
+
+def _pool(blocks: BlockManager) -> tuple:
+    return (list(blocks.free), list(blocks.ref_counts), list(blocks.block_hash), dict(blocks.cached))
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v2"])
+def test_rollback_leaves_the_state_of_the_plain_run(tmp_path, echo_models, arch):
+    """After rejections, a speculating sequence's computed length, block table, the block pool (free order, counts,
+    prefix-cache hashes) and the KV of its computed positions are those of the plain run at the same length; after
+    both finish, the pools (what later requests reuse) are equal."""
+    folder = echo_models(arch)
+    settings = {"cache.block_size": 4}
+    prompt = prompt_ids(1, [22], seed=8)[0]
+    params = greedy(48)
+    with (
+        LLM(write_plan(tmp_path, folder, settings, "plain.yaml")) as plain,
+        LLM(write_plan(tmp_path, folder, {**settings, **NGRAM}, "spec.yaml")) as spec,
+    ):
+        blocks = spec.engine.blocks
+        given_back = []
+        shrink = blocks.shrink
+
+        def counting_shrink(seq, num_tokens):
+            before = blocks.num_free_blocks
+            shrink(seq, num_tokens)
+            given_back.append(blocks.num_free_blocks - before)
+
+        blocks.shrink = counting_shrink
+        s = spec.engine.add_request(prompt, params)
+        while s.num_output_tokens < 30:
+            spec.engine.step()
+        assert not s.is_finished and s.spec.proposed > s.spec.accepted > 0
+        assert any(given_back), "no rejected proposal spilled into a block of its own: the test lost its point"
+        p = plain.engine.add_request(prompt, params)
+        while len(p) < len(s):
+            plain.engine.step()
+        assert p.token_ids == s.token_ids
+        assert (p.num_computed_tokens, p.block_table) == (s.num_computed_tokens, s.block_table)
+        assert _pool(p_blocks := plain.engine.blocks) == _pool(spec.engine.blocks)
+        assert p_blocks.num_free_blocks == spec.engine.blocks.num_free_blocks
+        torch.testing.assert_close(_kv_of_computed(spec, s), _kv_of_computed(plain, p), rtol=1e-5, atol=1e-5)
+        while spec.engine.has_unfinished():
+            spec.engine.step()
+        while plain.engine.has_unfinished():
+            plain.engine.step()
+        assert p.token_ids == s.token_ids
+        assert _pool(plain.engine.blocks) == _pool(spec.engine.blocks)
+
+
+def test_chunked_prefill_preemption_and_prefix_cache_alongside(tmp_path, echo_models, monkeypatch):
+    """A small token budget chunks long prompts while others verify proposals, a small cache preempts, and a shared
+    prefix is reused: every output is HF's."""
+    folder = echo_models("llama")
+    shared = prompt_ids(1, [40], seed=2)[0]
+    prompts = [*prompt_ids(len(LENGTHS), LENGTHS, seed=1), [*shared, 7, 9], [*shared, 11]]
+    # 2 layers x 2 x 2 KV heads x 16 dims x 4 B = 512 B/token: 96 KiB = 48 blocks of 4 = 192 tokens
+    settings = {
+        "model.max_model_len": 190,
+        "cache.block_size": 4,
+        "cache.memory": "96KiB",
+        "scheduler.max_num_batched_tokens": 24,
+        **NGRAM,
+    }
+    spy = VerifySpy(monkeypatch)
+    with LLM(write_plan(tmp_path, folder, settings)) as llm:
+        outputs = llm.generate(prompts, greedy())
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.blocks.prefix_hit_tokens > 0
+        assert llm.engine.blocks.num_used_blocks == 0
+    spy.assert_all_kinds()
+    for ids, out in zip(prompts, outputs, strict=True):
+        tokens, logprobs = hf_greedy(folder, ids, NEW_TOKENS)
+        assert out.token_ids == tokens, f"prompt of {len(ids)} tokens diverged"
+        assert max(abs(lp.logprob - x) for lp, x in zip(out.logprobs, logprobs, strict=True)) < LOGPROB_TOL
+
+
+def _stop_string_inside_a_run(tokenizer, out, yielded) -> tuple[int, str] | None:
+    """(i, s): output token i is yielded by a verification before its last token, and s is a printable stop string
+    whose first occurrence in the output text ends inside token i's text."""
+    tokens, text = out.token_ids, out.text
+    for rid, before, run_tokens in yielded:
+        for i in range(before, before + len(run_tokens) - 1) if rid == out.request_id else ():
+            lo, hi = len(tokenizer.decode(tokens[:i])), len(tokenizer.decode(tokens[: i + 1]))
+            for length in range(1, 9):
+                stop = text[max(0, hi - length) : hi]
+                if stop.isprintable() and lo < text.find(stop) + len(stop) <= hi:
+                    return i, stop
+    return None
+
+
+def test_stops_and_max_tokens_inside_an_accepted_run(tmp_path, echo_models, monkeypatch):
+    """A stop string that completes inside a run of accepted proposals ends the request there, exactly as without
+    speculation (the tokens after it are dropped); stop tokens and max_tokens end it as without speculation too."""
+    from transformers import AutoTokenizer
+
+    folder = echo_models("deepseek_v2")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompts = prompt_ids(len(LENGTHS), LENGTHS, seed=5)
+    spy = VerifySpy(monkeypatch)
+    full, _ = run(tmp_path, folder, NGRAM, prompts, greedy(), "full.yaml")
+    params, inside = [], 0
+    for i, out in enumerate(full):
+        found = _stop_string_inside_a_run(tokenizer, out, spy.yielded)
+        if found is not None and i % 2 == 0:
+            params.append(greedy(stop=[found[1]]))
+            inside += 1
+        else:
+            params.append(greedy(stop_token_ids=[out.token_ids[9]]) if i % 4 == 1 else greedy(n=7 + 2 * i))
+    assert inside >= 2
+    plain, _ = run(tmp_path, folder, {}, prompts, params, "plain.yaml")
+    spec, _ = run(tmp_path, folder, NGRAM, prompts, params, "spec.yaml")
+    for a, b in zip(plain, spec, strict=True):
+        assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == (
+            a.token_ids,
+            a.text,
+            a.finish_reason,
+            a.stop_reason,
+        )
+        assert [lp.token_id for lp in b.logprobs] == b.token_ids
+    assert [o.finish_reason for o in spec].count("stop") >= inside + 1
+    assert "length" in {o.finish_reason for o in spec}
+
+
+def test_sampled_tokens_are_distributed_as_without_speculation(tmp_path, echo_models, monkeypatch):
+    """Temperature sampling: over many seeded requests of one prompt, the tokens at each of the first output
+    positions (the first from the prompt's step, the next ones from verifications) are distributed as the plain
+    sampler's (two-sample chi-square), while proposals were both accepted and rejected."""
+    folder = echo_models("llama")
+    prompt = prompt_ids(1, [12], seed=4)[0]
+    count, length = 300, 6
+    params = [
+        SamplingParams(max_tokens=length, temperature=1.5, top_p=0.95, seed=seed, ignore_eos=True)
+        for seed in range(count)
+    ]
+    settings = {"scheduler.max_num_seqs": count}
+    plain, _ = run(tmp_path, folder, settings, [prompt] * count, params, "plain.yaml")
+    spy = VerifySpy(monkeypatch)
+    spec, stats = run(tmp_path, folder, {**settings, **NGRAM}, [prompt] * count, params, "spec.yaml")
+    assert 0 < stats["speculative"]["acceptance_rate"] < 1
+    assert any(a == 0 for _, a in spy.calls)
+    vocab = 512
+    for position in range(length):
+        a, b = [0] * vocab, [0] * vocab
+        for out in plain:
+            a[out.token_ids[position]] += 1
+        for out in spec:
+            b[out.token_ids[position]] += 1
+        assert chi_square_p_value(a, b) > 1e-3, f"output position {position}"
