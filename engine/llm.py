@@ -38,7 +38,7 @@ class RequestOutput:
     ttft_s: float | None
     latency_s: float | None
     error: str | None = None  # why the request was rejected or failed (finish_reason "error")
-    speculative: SpecCounters | None = None  # speculative decoding: proposals verified and accepted
+    speculative: SpecCounters | None = None  # speculative decoding's proposals and acceptances (None: off)
 
     @classmethod
     def rejected(cls, prompt: str | list[int], reason: str) -> RequestOutput:

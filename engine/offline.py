@@ -99,6 +99,8 @@ def _record(output) -> dict:
     }
     if output.error:
         record["error"] = output.error
+    if output.speculative is not None:
+        record["speculative"] = output.speculative.as_dict()
     if output.logprobs:
         record["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in output.logprobs]
     return record
@@ -236,8 +238,21 @@ def _report(records: list[dict], job: OfflineJob, stats: dict, console: Console)
         console.print(
             f"{stats['generated_tokens']} tokens generated in {stats['steps']} steps; "
             f"prefix cache reused {stats['prefix_hit_tokens']} prompt tokens; {stats['preemptions']} preemptions"
+            + _speculation_line(stats.get("speculative"))
         )
     return records
+
+
+def _speculation_line(spec: dict | None) -> str:
+    """`; speculation: accepted A of P proposals (R%), L tokens per verification` ('' when speculation is off)."""
+    if spec is None:
+        return ""
+    if not spec["proposed"]:
+        return "; speculation: no proposals"
+    return (
+        f"; speculation: accepted {spec['accepted']} of {spec['proposed']} proposals "
+        f"({spec['acceptance_rate']:.0%}), {spec['mean_accepted_length']:.2f} tokens per verification"
+    )
 
 
 def _clip(text: str, limit: int = 160) -> str:

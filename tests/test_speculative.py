@@ -218,7 +218,7 @@ def test_greedy_equals_plain_and_hf(tmp_path, echo_models, monkeypatch, arch):
     counts = stats["speculative"]
     assert counts["proposed"] == sum(p for p, _ in spy.calls) > counts["accepted"] == sum(a for _, a in spy.calls) > 0
     assert counts["proposed"] == sum(o.speculative.proposed for o in spec)
-    assert "speculative" not in plain_stats
+    assert "speculative" not in plain_stats and all(o.speculative is None for o in plain)
     assert stats["steps"] < plain_stats["steps"]  # several tokens per verification
 
 

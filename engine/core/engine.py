@@ -146,6 +146,8 @@ class LLMEngine:
             raise UserError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, ids, params, prompt=text)
         seq.export, seq.remote = export, remote
+        if self.config.speculative is not None:
+            seq.spec = SpecCounters()
         if params.seed is not None:
             self.generators[seq.seq_id] = torch.Generator(device=self.par.device).manual_seed(params.seed)
         self.requests[request_id] = seq

@@ -97,7 +97,7 @@ class Sequence:
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob | None] = []
         self.num_preemptions = 0
-        self.spec = SpecCounters()  # speculative decoding: proposals verified and accepted
+        self.spec: SpecCounters | None = None  # speculative decoding's proposals and acceptances (None: off)
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

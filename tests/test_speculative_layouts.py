@@ -1,0 +1,75 @@
+"""Speculative decoding (ngram) on layouts of several ranks under torchrun (gloo, CPU): greedy output equals HF's
+and the same plan's without speculation, token for token, with proposals accepted and rejected.
+
+The verification of [last token, k proposals] is a multi-token chunk with cached context, so its k + 1 positions
+straddle interleave runs and virtual blocks and land on both DCP ranks; the rejected ones' KV stays in those ranks'
+caches past the sequence's length, where no later step reads it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.oracle import LOGPROB_TOL, hf_greedy, prompt_ids, write_plan
+from tests.test_dcp_equivalence import dcpctl_run
+
+pytestmark = pytest.mark.multiproc
+
+LENGTHS = [1, 6, 17, 33, 50]
+NEW_TOKENS = 32
+NGRAM = {
+    "speculative_config.method": "ngram",
+    "speculative_config.num_speculative_tokens": 4,
+    "speculative_config.prompt_lookup_min": 1,
+    "speculative_config.prompt_lookup_max": 3,
+}
+MLA = ("deepseek_v2", {})
+KV1 = ("llama", {"num_kv_heads": 1})  # tp 2 replicates its one KV head: dcp 2 inside TP
+KV2 = ("llama", {"num_kv_heads": 2})  # tp 1: dcp 2 adds a replica rank
+
+CASES = {
+    "mla-tp1-dcp2-i1-replica": (MLA, {"parallel.dcp": 2}),
+    "mla-tp1-dcp2-i16-replica-chunked": (
+        MLA,
+        {"parallel.dcp": 2, "parallel.interleave": 16, "scheduler.max_num_batched_tokens": 24},
+    ),
+    "mla-tp2-dcp2-i1-in-tp": (MLA, {"parallel.tp": 2, "parallel.dcp": 2}),
+    "gqa-tp1-dcp2-i1-replica-replicated-ag_rs": (
+        KV2,
+        {"parallel.dcp": 2, "parallel.dense": "replicated", "parallel.dcp_comm_backend": "ag_rs"},
+    ),
+    # 2 layers x 2 x 2 KV heads x 16 dims x 4 B = 512 B/token/rank: 40 KiB = 5 blocks of 16 per rank, 160 tokens
+    "gqa-tp1-dcp2-i16-replica-preempt": (
+        KV2,
+        {"parallel.dcp": 2, "parallel.interleave": 16, "cache.memory": "40KiB", "model.max_model_len": 120},
+    ),
+    "gqa-tp2-dcp2-i16-in-tp-cpu-backend": (
+        KV1,
+        {"parallel.tp": 2, "parallel.dcp": 2, "parallel.interleave": 16, "attention.backend": "cpu"},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_layout_speculates_exactly(tmp_path, echo_models, case):
+    (arch, sizes), settings = CASES[case]
+    folder = echo_models(arch, **sizes)
+    prompts = prompt_ids(len(LENGTHS), LENGTHS, seed=5)
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
+    runs = {}
+    for name, extra in (("plain", {}), ("spec", NGRAM)):
+        plan = write_plan(tmp_path, folder, {**settings, **extra}, f"{name}.yaml")
+        runs[name], _ = dcpctl_run(plan, prompts_file, tmp_path / f"{name}.jsonl", tmp_path / name, NEW_TOKENS)
+    for ids, plain, spec in zip(prompts, runs["plain"], runs["spec"], strict=True):
+        tokens, logprobs = hf_greedy(folder, ids, NEW_TOKENS)
+        assert spec["token_ids"] == plain["token_ids"] == tokens, f"{case}: prompt of {len(ids)} tokens diverged"
+        ours = [lp["logprob"] for lp in spec["logprobs"]]
+        assert max(abs(a - b) for a, b in zip(ours, logprobs, strict=True)) < LOGPROB_TOL
+    proposed = sum(r["speculative"]["proposed"] for r in runs["spec"])
+    accepted = sum(r["speculative"]["accepted"] for r in runs["spec"])
+    assert proposed > accepted > 0, (proposed, accepted)
+    if "preempt" in case:
+        assert any(r["num_preemptions"] for r in runs["spec"])
