@@ -4,6 +4,8 @@ tests/test_speculative_layouts.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -386,3 +388,46 @@ def test_sampled_tokens_are_distributed_as_without_speculation(tmp_path, echo_mo
         for out in spec:
             b[out.token_ids[position]] += 1
         assert chi_square_p_value(a, b) > 1e-3, f"output position {position}"
+
+
+def test_server_reports_speculation_per_request_and_in_stats(tmp_path, echo_models):
+    """Over HTTP: n > 1 and streaming speculate like offline generation; each choice's counters are in the response
+    and the engine's in /v1/engine/stats."""
+    from tests.test_server import serve
+
+    folder = echo_models("llama")
+    prompt = prompt_ids(1, [10], seed=5)[0]
+    plan = write_plan(tmp_path, folder, NGRAM)
+    with LLM(plan) as llm:
+        (offline,) = llm.generate([prompt], greedy(24))
+    served = serve(plan)
+    try:
+        with served.http() as http:
+            body = http.post(
+                "/v1/completions",
+                json={
+                    "model": "tiny-llama",
+                    "prompt": prompt,
+                    "max_tokens": 24,
+                    "temperature": 0,
+                    "n": 2,
+                    "return_token_ids": True,
+                },
+            ).json()
+            streamed = http.post(
+                "/v1/completions",
+                json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True},
+            ).text
+            stats = served.wait_idle()
+    finally:
+        served.handle.stop()
+    assert [c["token_ids"] for c in body["choices"]] == [offline.token_ids] * 2
+    assert [s["index"] for s in body["speculative"]] == [0, 1]
+    assert body["speculative"][0] == {"index": 0, **offline.speculative.as_dict()}
+    assert "".join(c["text"] for c in body["choices"][:1]) == offline.text
+    text = "".join(
+        json.loads(line[6:])["choices"][0]["text"] for line in streamed.splitlines() if line[6:].startswith("{")
+    )
+    assert text == offline.text
+    assert stats["speculative"]["proposed"] == 3 * offline.speculative.proposed
+    assert stats["speculative"]["accepted"] == 3 * offline.speculative.accepted > 0

@@ -19,6 +19,7 @@ from engine.serving.generation import (
     event_stream,
     handoff_fields,
     json_response,
+    speculative_fields,
     stream_chunk,
 )
 from engine.serving.protocol import ChatCompletionRequest
@@ -100,6 +101,7 @@ class ChatEndpoint:
                 ],
                 usage=usage(len(ids), sum(len(c.token_ids) for c in choices)),
                 **handoff_fields(choices, gen.export_handle),
+                **speculative_fields(choices),
             )
 
         return await json_response(body)

@@ -19,6 +19,7 @@ from engine.serving.generation import (
     event_stream,
     handoff_fields,
     json_response,
+    speculative_fields,
     stream_chunk,
 )
 from engine.serving.protocol import MAX_CHOICES, CompletionRequest
@@ -93,6 +94,7 @@ class CompletionsEndpoint:
                 [self._choice(req, c) for c in choices],
                 usage=usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
                 **handoff_fields(choices, gen.export_handle),
+                **speculative_fields(choices),
             )
         )
 

@@ -45,6 +45,7 @@ class Update:
     error: ServerError | None = None
     export: dict | None = None  # P/D prefill: the kept export (transfer id, block ids), with the finish
     kv_transfer: dict | None = None  # P/D decode: what the pull did, once it is done
+    speculative: dict | None = None  # speculative decoding: the request's proposals and acceptances, with the finish
 
 
 class Sink:
@@ -279,6 +280,8 @@ class EngineLoop:
                     update.error = ServerError(500, f"the request failed: {seq.error}; the server goes on")
             elif finish is not None:
                 update.stop_reason = seq.stop_reason
+                if seq.spec is not None:
+                    update.speculative = seq.spec.as_dict()
                 if seq.transfer_id is not None:
                     update.export = {"transfer_id": seq.transfer_id, "block_ids": list(seq.block_table)}
             handle.sink.put(update)

@@ -49,10 +49,13 @@ class Choice:
     export: dict | None = None  # P/D prefill: the kept export, once finished
     claimed: Claimed | None = None  # P/D decode: the prompt's claimed export
     kv_transfer: dict | None = None  # P/D decode: what the pull did
+    speculative: dict | None = None  # speculative decoding: proposals and acceptances, once finished
 
     def apply(self, update: Update) -> None:
         if update.export is not None:
             self.export = update.export
+        if update.speculative is not None:
+            self.speculative = update.speculative
         if update.kv_transfer is not None:
             self.kv_transfer = update.kv_transfer
         self.text = update.text
@@ -204,6 +207,13 @@ def handoff_fields(choices: list[Choice], export_handle: Callable[[dict], dict] 
             for c in pulled
         ]
     }
+
+
+def speculative_fields(choices: list[Choice]) -> dict:
+    """The response's `speculative` field (per choice: proposed, accepted, acceptance_rate, mean_accepted_length)
+    when the plan speculates; not an OpenAI field, like vLLM's extras it sits beside them."""
+    counted = [c for c in choices if c.speculative is not None]
+    return {"speculative": [{"index": c.index, **c.speculative} for c in counted]} if counted else {}
 
 
 def _sse(payload: dict | str) -> str:
