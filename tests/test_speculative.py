@@ -431,3 +431,29 @@ def test_server_reports_speculation_per_request_and_in_stats(tmp_path, echo_mode
     assert text == offline.text
     assert stats["speculative"]["proposed"] == 3 * offline.speculative.proposed
     assert stats["speculative"]["accepted"] == 3 * offline.speculative.accepted > 0
+
+
+def test_bench_rows_count_only_the_measured_run():
+    """`dcpctl bench` shows the acceptance of the measured requests: the counters after the run less those before
+    (the warm-up's), and its rows only when a target speculates."""
+    from engine.core.speculative import SpecCounters
+    from evals.bench.report import NONE, BenchReport, TargetBench, bench_grid
+
+    before = SpecCounters(proposed=10, accepted=4, verifications=5).as_dict()
+    after = SpecCounters(proposed=50, accepted=34, verifications=25).as_dict()
+    measured = SpecCounters.since(before, after)
+    assert measured.as_dict() == {
+        "proposed": 40,
+        "accepted": 30,
+        "verifications": 20,
+        "acceptance_rate": 0.75,
+        "mean_accepted_length": 2.5,
+    }
+    # targets without metrics (as if they failed): only the speculation rows have values
+    plain = TargetBench("plain", "plan", "a.yaml", error="-")
+    spec = TargetBench("spec", "plan", "b.yaml", error="-", speculation=measured)
+    _, rows = bench_grid(BenchReport({}, {}, [plain, spec]))
+    assert ["speculation: proposals accepted", NONE, "75%"] in rows
+    assert ["speculation: tokens per verification", NONE, "2.50"] in rows
+    _, rows = bench_grid(BenchReport({}, {}, [plain]))
+    assert not any(r[0].startswith("speculation") for r in rows)

@@ -50,19 +50,30 @@ class SpecCounters:
 
     proposed: int = 0  # proposal tokens verified
     accepted: int = 0  # of those, accepted
-    steps: int = 0  # verification steps (each also yields one token of the model's own)
+    verifications: int = 0  # steps that verified proposals (each also yields one token of the model's own)
 
     def record(self, proposed: int, accepted: int) -> None:
         self.proposed += proposed
         self.accepted += accepted
-        self.steps += 1
+        self.verifications += 1
+
+    @classmethod
+    def since(cls, before: dict | None, after: dict) -> SpecCounters:
+        """What was counted between two `as_dict` snapshots (`before` None: since the start)."""
+        before = before or {}
+        fields = ("proposed", "accepted", "verifications")
+        return cls(*(after[f] - before.get(f, 0) for f in fields))
 
     def as_dict(self) -> dict[str, float | int | None]:
-        """proposed, accepted, acceptance_rate (accepted / proposed) and mean_accepted_length (tokens a
-        verification step yields, the model's own included); None where nothing was proposed."""
+        """proposed, accepted, verifications, acceptance_rate (accepted / proposed) and mean_accepted_length (tokens
+        a verification yields, the model's own included: vLLM's mean acceptance length); None where nothing was
+        proposed."""
         return {
             "proposed": self.proposed,
             "accepted": self.accepted,
+            "verifications": self.verifications,
             "acceptance_rate": self.accepted / self.proposed if self.proposed else None,
-            "mean_accepted_length": (self.accepted + self.steps) / self.steps if self.steps else None,
+            "mean_accepted_length": (
+                (self.accepted + self.verifications) / self.verifications if self.verifications else None
+            ),
         }

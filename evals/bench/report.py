@@ -12,6 +12,7 @@ from typing import Any
 
 from rich.table import Table
 
+from engine.core.speculative import SpecCounters
 from engine.io_utils import atomic_write_bytes, atomic_write_text
 from engine.plan.kv_sizing import format_bytes
 from evals.bench.client import RequestRecord
@@ -36,6 +37,7 @@ class TargetBench:
     num_blocks: int | None = None
     peak_kv_blocks: int | None = None
     preemptions: int | None = None
+    speculation: SpecCounters | None = None  # speculative decoding during the measured run (None: the plan has none)
     roofline: Roofline | None = None
     records: list[RequestRecord] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)  # the server's /v1/engine/stats after the run
@@ -58,6 +60,7 @@ class TargetBench:
             "num_blocks": self.num_blocks,
             "peak_kv_blocks": self.peak_kv_blocks,
             "preemptions": self.preemptions,
+            "speculation": self.speculation.as_dict() if self.speculation else None,
             "roofline": self.roofline.to_dict() if self.roofline else None,
             "stats": self.stats,
             "launch": self.launch,
@@ -170,6 +173,17 @@ HANDOFF_ROWS: list[tuple[str, Getter, Callable[[float], str], bool]] = [
 ]
 
 
+def _speculation(fn: Callable[[dict], float | None]) -> Getter:
+    return lambda t: None if t.speculation is None else fn(t.speculation.as_dict())
+
+
+# plans with speculative_config: rows shown when a target speculates
+SPECULATION_ROWS: list[tuple[str, Getter, Callable[[float], str], bool]] = [
+    ("speculation: proposals accepted", _speculation(lambda s: s["acceptance_rate"]), lambda v: f"{v:.0%}", False),
+    ("speculation: tokens per verification", _speculation(lambda s: s["mean_accepted_length"]), "{:.2f}".format, False),
+]
+
+
 def _ratio(value: float | None, base: float | None) -> str:
     if value is None or base is None or base == 0:
         return ""
@@ -197,7 +211,9 @@ def bench_grid(report: BenchReport) -> tuple[list[str], list[list[str]]]:
     rows = [["requests"] + [_requests_cell(t) for t in cols]]
     base = cols[0] if cols else None
     handoffs = any(t.metrics is not None and t.metrics.handoff is not None for t in cols)
-    for name, get, fmt, with_ratio in ROWS + (HANDOFF_ROWS if handoffs else []):
+    speculates = any(t.speculation is not None for t in cols)
+    extra = (HANDOFF_ROWS if handoffs else []) + (SPECULATION_ROWS if speculates else [])
+    for name, get, fmt, with_ratio in ROWS + extra:
         base_value = get(base) if base is not None and not base.failed else None
         cells = []
         for i, t in enumerate(cols):

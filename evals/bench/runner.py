@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.checkpoints.model_info import dtype_bytes, read_model_info, weight_elements
+from engine.core.speculative import SpecCounters
 from engine.errors import UserError
 from engine.placement.weights import weight_bytes
 from engine.plan.resolved import ResolvedPlan
@@ -144,6 +145,8 @@ def bench_target(target: Target, ctx: BenchContext, plan_dir: Path, keep_files: 
     result.peak_kv_blocks = after.get("peak_used_blocks")
     if "preemptions" in after and "preemptions" in before:
         result.preemptions = after["preemptions"] - before["preemptions"]
+    if "speculative" in after:
+        result.speculation = SpecCounters.since(before.get("speculative"), after["speculative"])
     if resolved is not None:
         assert resolved.kv is not None
         device = device_kind(resolved.device)
