@@ -457,3 +457,35 @@ def test_bench_rows_count_only_the_measured_run():
     assert ["speculation: tokens per verification", NONE, "2.50"] in rows
     _, rows = bench_grid(BenchReport({}, {}, [plain]))
     assert not any(r[0].startswith("speculation") for r in rows)
+
+
+def test_decode_side_of_a_hand_off_speculates_after_the_pull(tmp_path, echo_models):
+    """P/D: the decode instance pulls the prompt's KV (NIXL, in one process) and then speculates on it: HF's tokens,
+    proposals accepted, every block back."""
+    from engine.core.startup import start_engine
+    from engine.kv_transfer.handles import KVRole
+    from engine.plan.checks import resolve_plan
+    from tests.test_handoff_engine import hand_off, run_until_done
+
+    folder = echo_models("llama")
+    prefill_plan = write_plan(tmp_path, folder, {"cache.block_size": 16}, name="prefill.yaml")
+    decode_plan = write_plan(tmp_path, folder, {"cache.block_size": 8, "cache.memory": "256KiB", **NGRAM}, "d.yaml")
+    prefill = start_engine(resolve_plan(prefill_plan), kv_role=KVRole("prefill", lease_s=30))
+    decode = start_engine(resolve_plan(decode_plan), kv_role=KVRole("decode", transfer_timeout_s=10))
+    try:
+        prompts = prompt_ids(len(LENGTHS), LENGTHS, seed=5)
+        handed = [hand_off(prefill, decode, ids, greedy(24)) for ids in prompts]
+        run_until_done(decode, [s for s, _ in handed])
+        for (seq, transfer_id), ids in zip(handed, prompts, strict=True):
+            tokens, logprobs = hf_greedy(folder, ids, 24)
+            assert seq.output_token_ids == tokens, f"prompt of {len(ids)} tokens diverged"
+            assert max(abs(a.logprob - b) for a, b in zip(seq.logprobs, logprobs, strict=True)) < LOGPROB_TOL
+            assert prefill.handoff.exports.release(transfer_id)
+        stats = decode.stats()
+        assert stats["kv_transfer"]["pulls"] == len(LENGTHS) and stats["kv_transfer"]["pulls_failed"] == 0
+        assert stats["speculative"]["proposed"] > stats["speculative"]["accepted"] > 0
+        assert stats["used_blocks"] == 0
+    finally:
+        for engine in (prefill, decode):
+            engine.runner.kv_exporter and engine.runner.kv_exporter.close()
+            engine.runner.kv_receiver and engine.runner.kv_receiver.close()
