@@ -489,3 +489,17 @@ def test_decode_side_of_a_hand_off_speculates_after_the_pull(tmp_path, echo_mode
         for engine in (prefill, decode):
             engine.runner.kv_exporter and engine.runner.kv_exporter.close()
             engine.runner.kv_receiver and engine.runner.kv_receiver.close()
+
+
+def test_disable_by_batch_size_pauses_proposals_in_large_batches(tmp_path, echo_models):
+    """No proposals while more sequences than disable_by_batch_size run; they resume once the batch shrinks."""
+    folder = echo_models("llama")
+    prompts = prompt_ids(3, [6, 10, 17], seed=5)
+    params = [greedy(8), greedy(8), greedy(40)]  # two finish early: the third then runs alone
+    settings = {**NGRAM, "speculative_config.disable_by_batch_size": 1}
+    with LLM(write_plan(tmp_path, folder, settings)) as llm:
+        outputs = llm.generate(prompts, params)
+    assert [o.speculative.proposed for o in outputs[:2]] == [0, 0]
+    assert outputs[2].speculative.accepted > 0
+    for ids, out, p in zip(prompts, outputs, params, strict=True):
+        assert out.token_ids == hf_greedy(folder, ids, p.max_tokens)[0]

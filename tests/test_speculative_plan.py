@@ -26,6 +26,7 @@ def test_no_section_means_no_speculation(make_plan, llama_folder):
         ("num_speculative_tokens: 2, prompt_lookup_max: 3", SpeculativeConfig(2, 3, 3)),  # min defaults to max
         ("num_speculative_tokens: 2, prompt_lookup_min: 2", SpeculativeConfig(2, 2, 2)),  # max defaults to min
         ("num_speculative_tokens: 8, prompt_lookup_min: 1, prompt_lookup_max: 4", SpeculativeConfig(8, 1, 4)),
+        ("num_speculative_tokens: 4, disable_by_batch_size: 4", SpeculativeConfig(4, 5, 5, 4)),
     ],
 )
 def test_ngram_resolves_like_vllm(make_plan, llama_folder, fields, resolved):
@@ -91,6 +92,11 @@ def test_ngram_resolves_like_vllm(make_plan, llama_folder, fields, resolved):
             "speculative_config.model",
             "speculative_config: a draft model is not supported yet; "
             "use method: ngram (prompt lookup, no second model)",
+        ),
+        (
+            "{method: ngram, num_speculative_tokens: 2, disable_by_batch_size: 0}",
+            "speculative_config.disable_by_batch_size",
+            "speculative_config.disable_by_batch_size=0 must be >= 1 (or unset: speculate at any batch)",
         ),
         (
             "{num_speculative_tokens: 2}",

@@ -96,9 +96,12 @@ class Scheduler:
 
     def _draft(self, seq: Sequence, budget: int) -> list[int]:
         """Proposals for a decoding sequence, within the token budget, max_tokens and max_model_len, and only where
-        the blocks for them are free (speculation never preempts); the blocks are taken."""
+        the blocks for them are free (speculation never preempts) and the batch is not above disable_by_batch_size;
+        the blocks are taken."""
         spec = self.speculative
         if spec is None or seq.num_uncomputed_tokens != 1:
+            return []
+        if spec.disable_by_batch_size is not None and len(self.running) > spec.disable_by_batch_size:
             return []
         room = min(
             spec.num_speculative_tokens,

@@ -144,6 +144,7 @@ class SpeculativeSection:
     prompt_lookup_min: int | None = None  # ngram: shortest suffix n-gram to look up (default: prompt_lookup_max)
     prompt_lookup_max: int | None = None  # ngram: longest suffix n-gram to look up (default: prompt_lookup_min, or 5)
     model: str | None = None  # draft_model: the draft checkpoint (not supported yet)
+    disable_by_batch_size: int | None = None  # no proposals while more sequences than this run (unset: always)
 
 
 @dataclass

@@ -91,10 +91,16 @@ def check_speculative(problems: PlanProblems, s: SpeculativeSection) -> Speculat
         if value < 1:
             problems.error(f"{key}.{name}", f"{key}.{name}={value} must be >= 1 (the n-gram length to look up)")
             ok = False
+    if s.disable_by_batch_size is not None and s.disable_by_batch_size < 1:
+        problems.error(
+            f"{key}.disable_by_batch_size",
+            f"{key}.disable_by_batch_size={s.disable_by_batch_size} must be >= 1 (or unset: speculate at any batch)",
+        )
+        ok = False
     if ok and low > high:
         problems.error(
             f"{key}.prompt_lookup_min",
             f"{key}.prompt_lookup_min={low} is above prompt_lookup_max={high}; set min <= max",
         )
         ok = False
-    return SpeculativeConfig(k, low, high) if ok else None
+    return SpeculativeConfig(k, low, high, s.disable_by_batch_size) if ok else None
