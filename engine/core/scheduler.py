@@ -8,6 +8,10 @@ blocks are freed and it re-enters the queue at the front with the tokens it has 
 On a P/D decode instance a waiting sequence whose prompt was computed by the prefill instance is admitted with a
 pull: blocks for its whole prompt, a `KVPull` of the positions the prefix cache does not hold (all but the last),
 and a one-token chunk for the last position, which the ranks run once the pull is done.
+
+With speculative decoding a decoding sequence's chunk carries up to k ngram proposals after its last token (blocks
+for them taken only if free); the engine reports what it accepted (`computed`) and the blocks taken for rejected
+proposals go back (`rollback`), so the pool is as if they had never been proposed.
 """
 
 from __future__ import annotations
