@@ -106,6 +106,28 @@ def test_shrink_gives_blocks_back_where_grow_took_them(prefix_caching, dcp_size)
     assert (list(blocks.free), list(blocks.ref_counts), list(seq.block_table), blocks.num_free_blocks) == before
 
 
+@pytest.mark.parametrize("dcp_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("interleave", [1, 2, 4, 8])
+def test_rejected_positions_lie_past_every_ranks_length(dcp_size, interleave):
+    """What rollback relies on, over every computed length and proposal count: a verification of [L-1, L+k) writes
+    each position's KV on its owner at local index `local_index`; after accepting a of the k proposals, the positions
+    kept (< L + a) are exactly those below each rank's new `local_len`, and every rejected one is at or past it, so
+    attention (which reads a rank's first local_len slots) never sees it and the next writes overwrite it in order."""
+    from engine import dcp
+
+    for length in range(1, 3 * interleave * dcp_size + 2):
+        for k in range(1, 6):
+            for accepted in range(k + 1):
+                kept = length + accepted  # positions with valid KV after the step
+                for r in range(dcp_size):
+                    new_len = dcp.local_len(kept, r, interleave, dcp_size)
+                    for p in range(length - 1, length + k):
+                        if dcp.owner(p, interleave, dcp_size) != r:
+                            continue
+                        index = dcp.local_index(p, interleave, dcp_size)
+                        assert (index < new_len) == (p < kept), (length, k, accepted, r, p)
+
+
 # ---- the verifier ----
 
 
