@@ -8,7 +8,7 @@ problem of a plan can be reported at once, with a suggestion.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from omegaconf import MISSING
 
@@ -145,6 +145,12 @@ class SpeculativeSection:
     prompt_lookup_max: int | None = None  # ngram: longest suffix n-gram to look up (default: prompt_lookup_min, or 5)
     model: str | None = None  # draft_model: the draft checkpoint (not supported yet)
     disable_by_batch_size: int | None = None  # no proposals while more sequences than this run (unset: always)
+
+
+# its keys are those of vLLM's --speculative-config JSON
+VLLM_FLAGS.update(
+    {f"speculative_config.{f.name}": f"--speculative-config (its {f.name})" for f in fields(SpeculativeSection)}
+)
 
 
 @dataclass
