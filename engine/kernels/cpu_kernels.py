@@ -63,29 +63,31 @@ def compiler_problem() -> str | None:
     return None
 
 
-def _compiler_identity() -> str:
-    """The compiler a build runs, as the file it resolves to (a build another compiler failed or made is never taken
-    for this one's) with its size and mtime (a compiler upgraded in place builds anew)."""
+def _toolchain() -> str:
+    """What a build runs and links against: the compiler as the file it resolves to (a build another compiler failed
+    or made is never taken for this one's) with its size and mtime (a compiler upgraded in place builds anew), and
+    the torch install by version and real path (a venv reached through a symlink is the same install; a second venv
+    sharing the cache gets builds of its own rather than rebuilding over the first's at every switch)."""
     found = shutil.which(compiler())
-    if found is None:
-        return compiler()
-    path = os.path.realpath(found)
-    stat = os.stat(path)
-    return f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
+    identity = compiler()
+    if found is not None:
+        path = os.path.realpath(found)
+        stat = os.stat(path)
+        identity = f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
+    return f"{identity}|{torch.__version__}|{os.path.realpath(torch.__file__)}"
 
 
 def build_name(isa: CpuIsa, library: str = "dcpctl_cpu_kernels") -> str:
-    """The cached build's folder name: the library, the ISA level's variant, then a short hash of the level's flags,
-    the compiler and the torch install it links against (a second venv sharing the cache would otherwise rebuild it
-    at every switch). The sources are not in the name: `library_path` adds them."""
-    key = f"{' '.join(build_flags(isa))}|{_compiler_identity()}|{torch.__version__}|{torch.__file__}"
+    """The cached build's folder name: the library, the ISA level's variant, then a short hash of the level's flags
+    and the toolchain. The sources are not in the name: `library_path` adds them."""
+    key = f"{' '.join(build_flags(isa))}|{_toolchain()}"
     return f"{library}_{isa.build_variant.replace('-', '_')}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
 
 
 def build_key(sources: tuple[Path, ...], cflags: list[str]) -> str:
-    """A hash of everything that makes a build differ: the sources' bytes, the flags, the compiler and the torch
-    install. A built library whose key matches is loaded as it is, without running the compiler or ninja."""
-    digest = hashlib.sha1(f"{' '.join(cflags)}|{_compiler_identity()}|{torch.__version__}|{torch.__file__}".encode())
+    """A hash of everything that makes a build differ: the sources' bytes, the flags and the toolchain. A built
+    library whose key matches is loaded as it is, without running the compiler or ninja."""
+    digest = hashlib.sha1(f"{' '.join(cflags)}|{_toolchain()}".encode())
     for source in sources:
         digest.update(f"|{source.name}|".encode())
         digest.update(source.read_bytes())
