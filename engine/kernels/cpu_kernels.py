@@ -1,28 +1,36 @@
 """The engine's own CPU kernels (csrc/*.cpp): built for this CPU's ISA level on first use, then cached.
 
 torch's cpp_extension compiles the sources once per ISA level (~20 s with gcc on 2 cores; scripts/setup.sh
-does it at install) into `~/.cache/dcpctl/kernels` and registers the ops as `torch.ops.dcpctl.*`;
-later processes load the cached library in milliseconds. The build targets the level `engine.kernels.cpu_isa`
-reports (x86-64-v4's instruction sets for AVX-512, plus AVX512-BF16 where the CPU has it, x86-64-v3's for AVX2,
-none on other CPUs: `CpuIsa.target_flags`), never `-march=native`, and the build variant and the compiler name the
-cached build: a home directory shared between machines with different CPUs keeps one build per variant and never
-loads one the CPU cannot run. GCC 11 and 12 build every level (tests/test_cpu_compilers.py); clang's builds do not
-load (its OpenMP calls are libomp's, torch's runtime is libgomp), and the engine says so and uses torch's. Where the
-compiler cannot build the CPU's level, the next lower one that builds is loaded, with a one-line warning (the
-portable build computes SiLU with std::exp, not with the vector exp of torch's own kernels: bits may differ from
-torch's there); where none builds (no C++ compiler) the engine runs on torch's own kernels and a one-line warning
-says why; `DCPCTL_CPU_KERNELS=0` opts out (the baseline of benchmarks/decode_throughput.py).
+does it at install) and the library is published in `~/.cache/dcpctl/kernels` under a key that hashes the
+sources' bytes, the flags, the compiler and the torch install (`build_key`); later processes whose key matches load
+it directly (`torch.ops.load_library`, ops under `torch.ops.dcpctl.*`), with no lock, compiler or ninja. A build
+holds an flock (a killed build's lock dies with it), compiles in a private folder and publishes by an atomic
+rename: ranks, processes and venvs starting at once on a shared home build once and never see half a library.
+The build targets the level `engine.kernels.cpu_isa` reports (x86-64-v4's instruction sets for AVX-512, plus
+AVX512-BF16 where the CPU has it, x86-64-v3's for AVX2, none on other CPUs: `CpuIsa.target_flags`), never
+`-march=native`, and the build variant and the compiler name the cached build: a home directory shared between
+machines with different CPUs keeps one build per variant and never loads one the CPU cannot run. GCC 11 and 12 build
+every level (tests/test_cpu_compilers.py); clang's builds do not load (its OpenMP calls are libomp's, torch's
+runtime is libgomp), and the engine says so and uses torch's. Where the compiler cannot build the CPU's level, the
+next lower one that builds is loaded, with a one-line warning (the portable build computes SiLU with std::exp, not
+with the vector exp of torch's own kernels: bits may differ from torch's there); where none builds (no C++ compiler)
+the engine runs on torch's own kernels and a one-line warning says why; `DCPCTL_CPU_KERNELS=0` opts out (the
+baseline of benchmarks/decode_throughput.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import shutil
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -33,7 +41,8 @@ from engine.kernels.cpu_paths import KERNEL_DTYPE_NAMES, kernels_wanted
 KERNEL_DTYPES = tuple(getattr(torch, name) for name in KERNEL_DTYPE_NAMES)
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_kernels.cpp", "cpu_gemm.cpp"))
 BASE_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]  # no implicit FMA: rotary keeps torch's bits
-STALE_LOCK_S = 600  # a build lock this old was left by a killed build; torch would wait on it forever
+STALE_LOCK_S = 600  # a build holding its lock this long is stuck: other starts build around it
+LOCK_POLL_S = 0.1
 _log = logging.getLogger(__name__)
 
 
@@ -54,14 +63,35 @@ def compiler_problem() -> str | None:
     return None
 
 
-def build_name(isa: CpuIsa, library: str = "dcpctl_cpu_kernels") -> str:
-    """The cached build's name: the library, the ISA level's variant, then a short hash of the sources' flags, the
-    compiler (the file it resolves to: a build another compiler failed or made is never taken for this one's) and
-    the torch install it links against (a second venv sharing the cache would otherwise rebuild it at every switch)."""
+def _toolchain() -> str:
+    """What a build runs and links against: the compiler as the file it resolves to (a build another compiler failed
+    or made is never taken for this one's) with its size and mtime (a compiler upgraded in place builds anew), and
+    the torch install by version and real path (a venv reached through a symlink is the same install; a second venv
+    sharing the cache gets builds of its own rather than rebuilding over the first's at every switch)."""
     found = shutil.which(compiler())
-    key = f"{' '.join(build_flags(isa))}|{os.path.realpath(found) if found else compiler()}"
-    key += f"|{torch.__version__}|{torch.__file__}"
+    identity = compiler()
+    if found is not None:
+        path = os.path.realpath(found)
+        stat = os.stat(path)
+        identity = f"{path}:{stat.st_size}:{stat.st_mtime_ns}"
+    return f"{identity}|{torch.__version__}|{os.path.realpath(torch.__file__)}"
+
+
+def build_name(isa: CpuIsa, library: str = "dcpctl_cpu_kernels") -> str:
+    """The cached build's folder name: the library, the ISA level's variant, then a short hash of the level's flags
+    and the toolchain. The sources are not in the name: `library_path` adds them."""
+    key = f"{' '.join(build_flags(isa))}|{_toolchain()}"
     return f"{library}_{isa.build_variant.replace('-', '_')}_{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+
+
+def build_key(sources: tuple[Path, ...], cflags: list[str]) -> str:
+    """A hash of everything that makes a build differ: the sources' bytes, the flags and the toolchain. A built
+    library whose key matches is loaded as it is, without running the compiler or ninja."""
+    digest = hashlib.sha1(f"{' '.join(cflags)}|{_toolchain()}".encode())
+    for source in sources:
+        digest.update(f"|{source.name}|".encode())
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def kernels_dir() -> Path:
@@ -69,33 +99,111 @@ def kernels_dir() -> Path:
     return Path.home() / ".cache" / "dcpctl" / "kernels"
 
 
-def build_kernels(sources: tuple[Path, ...], name: str, cflags: list[str]) -> str | None:
-    """Compile (or load the cached build of) `sources` as torch ops; None when loaded, else why not, in one line."""
+def library_path(sources: tuple[Path, ...], name: str, cflags: list[str]) -> Path:
+    """Where the build of `sources` as `name` with `cflags` is published: `<kernels_dir>/<name>/<name>_<key>.so`."""
+    return kernels_dir() / name / f"{name}_{build_key(sources, cflags)}.so"
+
+
+def _one_line(exc: BaseException) -> str:
+    """A build's or a load's exception in one line: its first line and, for a library that does not load, the
+    loader's reason (after the library's path)."""
+    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(": [")[0]
+    if exc.__cause__ is not None:
+        reason = (str(exc.__cause__).strip().splitlines() or [""])[0].split(": ", 1)[-1]
+        first_line += f" ({reason})"
+    return first_line
+
+
+def _load(library: Path) -> str | None:
+    """Load a published library: None when loaded, else the loader's reason in one line."""
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as exc:
+        return _one_line(exc)
+    return None
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path) -> Iterator[None]:
+    """Hold the build lock of one library while building it. The lock is an flock, which the kernel drops when
+    its holder dies: a killed build leaves nothing that blocks. A holder alive but stuck for STALE_LOCK_S is built
+    around, and a filesystem without locks builds unlocked: either way the build stays in its own folder until
+    its atomic rename, so two builders never collide, they only repeat work."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        deadline = time.monotonic() + STALE_LOCK_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    _log.warning("%s held for over %d s: building without it", path, STALE_LOCK_S)
+                    break
+                time.sleep(LOCK_POLL_S)
+            except OSError:  # no locks on this filesystem
+                break
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _remove_stale_builds(build_dir: Path) -> None:
+    """Remove the private build folders of builds killed before they published (older than STALE_LOCK_S)."""
+    for folder in build_dir.glob("tmp-*"):
+        try:
+            if time.time() - folder.stat().st_mtime > STALE_LOCK_S:
+                shutil.rmtree(folder, ignore_errors=True)
+        except FileNotFoundError:
+            pass
+
+
+def _build(sources: tuple[Path, ...], name: str, cflags: list[str], library: Path) -> str | None:
+    """Compile `sources` in a private folder, load the result and publish it at `library` by an atomic rename:
+    None when loaded, else why not, in one line (the compiler's output is in the folder's error.log)."""
     from torch.utils.cpp_extension import load
 
-    if problem := compiler_problem():
-        return problem
-    build_dir = kernels_dir() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    lock = build_dir / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-        lock.unlink(missing_ok=True)
     if shutil.which("ninja") is None:  # the ninja wheel's binary, when the venv's bin/ is not on PATH
         import ninja
 
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+    _remove_stale_builds(library.parent)
+    private = Path(tempfile.mkdtemp(prefix="tmp-", dir=library.parent))
     try:
+        # a name of its own per attempt: torch skips a name it already built in this process
+        built = private / f"{name}_{private.name[4:]}.so"
         paths = [str(source) for source in sources]
-        load(name, sources=paths, extra_cflags=cflags, build_directory=str(build_dir), is_python_module=False)
-    except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as exc:  # a compiler that fails
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(": [")[0]
-        if exc.__cause__ is not None:  # a library that built but does not load: the loader's reason, after its path
-            reason = (str(exc.__cause__).strip().splitlines() or [""])[0].split(": ", 1)[-1]
-            first_line += f" ({reason})"
-        log = build_dir / "error.log"
-        log.write_text(f"{exc}\n{exc.__cause__ or ''}\n")
-        return f"{first_line}; the compiler's output: {log}"
-    return None
+        try:
+            load(built.stem, sources=paths, extra_cflags=cflags, build_directory=str(private), is_python_module=False)
+        except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as exc:  # a compiler that fails
+            log = library.parent / "error.log"
+            log.write_text(f"{exc}\n{exc.__cause__ or ''}\n")
+            if built.is_file():  # built, but does not load (clang's OpenMP): later starts fail as fast as a load
+                os.replace(built, library)
+            return f"{_one_line(exc)}; the compiler's output: {log}"
+        os.replace(built, library)
+        return None
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def build_kernels(sources: tuple[Path, ...], name: str, cflags: list[str]) -> str | None:
+    """Load the published build of `sources` (its key matches: no lock, no compiler), else build and publish it
+    under the build lock: None when loaded, else why not, in one line."""
+    if problem := compiler_problem():
+        return problem
+    library = library_path(sources, name, cflags)
+    if library.is_file():
+        return _load(library)
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(library.parent / "build.lock"):
+        if library.is_file():  # another process published it while this one waited
+            return _load(library)
+        return _build(sources, name, cflags, library)
 
 
 def build_for_cpu(sources: tuple[Path, ...], library: str) -> tuple[CpuIsa | None, str]:

@@ -94,6 +94,8 @@ def check_fields(problems: PlanProblems, res: ResolvedPlan) -> None:
             "launch.master_port",
             "a multi-node launch needs launch.master_port (the same on every node) or launch.rdzv_endpoint",
         )
+    if lch.rdzv_timeout_s < 1:
+        problems.error("launch.rdzv_timeout_s", f"launch.rdzv_timeout_s={lch.rdzv_timeout_s} must be >= 1 (seconds)")
     if not 0 <= lch.master_port <= 65535:
         problems.error("launch.master_port", f"launch.master_port={lch.master_port} is not a port (0 picks a free one)")
     if not 0 <= plan.serve.port <= 65535:

@@ -104,6 +104,7 @@ class LaunchSection:
     master_addr: str = "127.0.0.1"  # torchrun's master; on one node it must be an address of this machine
     master_port: int = 0  # 0: pick a free port (single node)
     rdzv_endpoint: str | None = None  # HOST:PORT of a c10d rendezvous instead of master_addr/master_port
+    rdzv_timeout_s: int = 600  # seconds a node waits for every node to join before it fails (torchrun's default)
     dist_backend: str = "auto"  # auto: gloo on CPU, NCCL for tensors plus gloo for metadata on CUDA
     cpu_comm: str = "auto"  # CPU tensor collectives: shared memory (one node) or gloo; auto: shm where it can
     threads_per_rank: int = 0  # 0: cores / local ranks

@@ -85,7 +85,9 @@ def torchrun_command(launch: LaunchSection, ranks_per_node: int, worker_args: li
     ]
     if launch.rdzv_endpoint:
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={launch.rdzv_endpoint}"]
+        cmd += [f"--rdzv-conf=join_timeout={launch.rdzv_timeout_s}"]
     else:
+        cmd += [f"--rdzv-conf=timeout={launch.rdzv_timeout_s}"]
         port = launch.master_port or free_port()
         if launch.master_port and launch.node_rank == 0 and launch.nnodes == 1:
             ensure_port_free(launch.master_addr, port, "launch.master_port")
@@ -96,11 +98,50 @@ def torchrun_command(launch: LaunchSection, ranks_per_node: int, worker_args: li
 _FAILURE = re.compile(r"^\s*rank\s*:\s*(\d+).*\n\s*exitcode\s*:\s*(-?\d+)", re.M)
 
 
-def _root_error(error_dir: Path, log_text: str) -> str | None:
+_LOST_PEER_AT = re.compile(r"\[([^\]]+)\]:(\d+)")  # gloo names the peer it lost as [host]:port
+
+
+def _rendezvous_failure(section: LaunchSection, log_text: str) -> str | None:
+    """What to do when the nodes never met (no rank started): which node waited for which, and what to start."""
+    timeout = f"launch.rdzv_timeout_s={section.rdzv_timeout_s} s"
+    where = f"{section.master_addr}:{section.master_port}"
+    if joined := re.search(r"waiting for clients\. (\d+)/(\d+) clients joined", log_text):
+        return (
+            f"node 0 waited {timeout} for the other nodes at {where} and {joined[1]} of {joined[2]} joined; start "
+            f"every node with launch.nnodes={section.nnodes}, its own launch.node_rank and the same "
+            "launch.master_addr and launch.master_port"
+        )
+    if "trying to connect to" in log_text and "DistNetworkError" in log_text:
+        return (
+            f"node {section.node_rank} found no node 0 at {where} within {timeout}; start node 0 "
+            "(launch.node_rank=0) there, or point launch.master_addr and launch.master_port at it"
+        )
+    if "RendezvousTimeoutError" in log_text:
+        return (
+            f"not all launch.nnodes={section.nnodes} nodes joined the rendezvous at {section.rdzv_endpoint} within "
+            f"{timeout}; start every node with the same launch.rdzv_endpoint"
+        )
+    return None
+
+
+def _lost_to_another_node(section: LaunchSection, records: list[dict]) -> str | None:
+    """Every rank here failed only because it lost a peer, and the peers are on other nodes: the cause is there."""
+    if section.nnodes < 2 or not records or not all(any(s in r["message"] for s in PEER_LOST) for r in records):
+        return None
+    first = min(records, key=lambda e: e["time"])
+    node = f"node {1 - section.node_rank}" if section.nnodes == 2 else "a rank on another node"
+    lost = next(s for s in PEER_LOST if s in first["message"])
+    at = _LOST_PEER_AT.search(first["message"])
+    peer = f" at {at[1]}:{at[2]}" if at else ""
+    return f"{node} went away (rank {first['rank']} lost its peer{peer}: {lost}); that node's own log says why"
+
+
+def _root_error(error_dir: Path, log_text: str, section: LaunchSection | None = None) -> str | None:
     """The rank that caused the failure: its own message, or how it died.
 
     A rank that loses a peer fails with a connection error, and torchrun may observe that first; so the cause is the
-    earliest error a rank wrote that is not a lost peer, else a rank that died without writing one, else any error.
+    earliest error a rank wrote that is not a lost peer, else a rank that died without writing one, else (ranks here
+    that only lost peers on other nodes) the other node, else any error. No rank ran: why the nodes never met.
     """
     errors: dict[int, dict] = {}
     for file in error_dir.glob("rank*.json"):
@@ -119,7 +160,11 @@ def _root_error(error_dir: Path, log_text: str) -> str | None:
             return f"rank {rank} " + (
                 f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
             )
-    return _earliest(list(errors.values())) if errors else None
+    if section is not None and (elsewhere := _lost_to_another_node(section, list(errors.values()))):
+        return elsewhere
+    if errors:
+        return _earliest(list(errors.values()))
+    return _rendezvous_failure(section, log_text) if section is not None and section.nnodes > 1 else None
 
 
 def _earliest(records: list[dict]) -> str:
@@ -192,5 +237,5 @@ def launch(
         return stopped_by[0] if stopped_by else None
     log_text = log.read_text(errors="replace") if log.exists() else ""
     tail = log_text.strip().splitlines()[-1:]
-    reason = _root_error(run_dir, log_text) or (tail[0] if tail else f"torchrun exited with {code}")
+    reason = _root_error(run_dir, log_text, section) or (tail[0] if tail else f"torchrun exited with {code}")
     raise UserError(f"the run failed: {reason} (full log: {log})")
