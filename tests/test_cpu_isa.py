@@ -480,3 +480,12 @@ def test_bf16_on_the_panel_gemm_where_onednn_is_the_default(tmp_path):
     if not cpu_isa.detect().onednn_bf16:
         pytest.skip("bf16 layers take the engine's panel GEMM on this CPU already: the suite itself covers it")
     _suite_passes(PANELS_SUITE, dict(os.environ, **{BF16_GEMM_ENV: "panels"}), tmp_path, timeout=900)
+
+
+def test_amx_is_seen_only_at_the_avx512_level_of_a_cpu_that_has_it():
+    """A Sapphire Rapids-class CPU (amx_bf16) takes torch's AMX flash attention for long bf16 prompts; Zen 4 (no AMX)
+    and the same CPU forced to AVX2 (which hides AVX-512 and AMX from torch too) do not."""
+    sapphire_rapids = ZEN4 | {"amx_bf16", "amx_tile"}
+    assert cpu_isa.CpuIsa("avx512", "avx512", sapphire_rapids).amx_bf16
+    assert not cpu_isa.CpuIsa("avx512", "avx512", ZEN4).amx_bf16
+    assert not cpu_isa.CpuIsa("avx2", "avx512", cpu_isa._visible_flags(sapphire_rapids, "avx2")).amx_bf16

@@ -139,3 +139,27 @@ def test_cpu_backend_prefill_uses_the_kernel_and_falls_back(need_lse):
     prefill = PrefillNew(cu, lengths, max(lengths))
     out, _ = cpu.prefill_new(q, k_strided, v, prefill, 0.125, need_lse)
     assert torch.equal(out, torch_backend.prefill_new(q, k_strided, v, prefill, 0.125, need_lse)[0])
+
+
+@NEEDS_KERNELS
+def test_cpu_backend_takes_torch_flash_for_long_bf16_prompts_on_amx():
+    """bf16 prompts of FLASH_MIN_PROMPT_TOKENS or more on average take torch's flash path (its bits exactly) on a CPU
+    with AMX, the kernel elsewhere and for shorter prompts; fp32 always takes the kernel."""
+    from engine.attention.cpu_backend import FLASH_MIN_PROMPT_TOKENS
+    from engine.kernels.cpu_isa import detect
+
+    cpu, torch_backend = CpuBackend(), TorchBackend()
+    amx = detect().amx_bf16
+    for dtype, lengths in (
+        (torch.bfloat16, [FLASH_MIN_PROMPT_TOKENS, FLASH_MIN_PROMPT_TOKENS + 9]),
+        (torch.bfloat16, [FLASH_MIN_PROMPT_TOKENS - 1, 3]),
+        (torch.float32, [FLASH_MIN_PROMPT_TOKENS, FLASH_MIN_PROMPT_TOKENS + 9]),
+    ):
+        q, k, v, cu = layer_inputs(lengths, 9, 3, 64, 64, dtype, seed=11)
+        prefill = PrefillNew(cu, lengths, max(lengths))
+        out, lse = cpu.prefill_new(q, k, v, prefill, 0.125, True)
+        flash = torch_backend.prefill_new(q, k, v, prefill, 0.125, True)
+        kernel = cpu_kernels.prefill_causal(q, k, v, cu, 0.125)
+        want = flash if amx and dtype == torch.bfloat16 and sum(lengths) >= FLASH_MIN_PROMPT_TOKENS * 2 else kernel
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+        assert not torch.equal(flash[0], kernel[0])  # the two paths differ in their bits: the choice is visible

@@ -73,6 +73,12 @@ class CpuIsa:
         return self.level == "avx512" and "avx512_bf16" in self.flags
 
     @property
+    def amx_bf16(self) -> bool:
+        """Whether torch's bf16 products can run on AMX tiles here (oneDNN's brgemm): an AVX-512 level whose CPU has
+        amx_bf16 (Sapphire Rapids and later); a forced lower level hides it with the rest of AVX-512."""
+        return self.level == "avx512" and "amx_bf16" in self.flags
+
+    @property
     def target_flags(self) -> list[str]:
         """The compiler's target flags of this level's kernel build: its instruction sets (never `-march=native`)."""
         levels = LEVELS[: LEVELS.index(self.level) + 1]
