@@ -2,8 +2,8 @@
 
 import pytest
 
-from engine.core.speculative import SpeculativeConfig
 from engine.plan.checks import validate_plan_file
+from engine.plan.resolved import SpeculativeConfig
 
 
 def check(make_plan, folder, spec: str):

@@ -8,13 +8,12 @@ from pathlib import Path
 
 from engine.checkpoints.model_info import ModelInfo
 from engine.core.scheduler import SchedulerConfig
-from engine.core.speculative import SpeculativeConfig
 from engine.errors import UserError
 from engine.kv_transfer.handles import KVRole
 from engine.parallel_layout import ParallelLayout
 from engine.placement.split import DensePlacement
 from engine.plan.kv_sizing import parse_memory
-from engine.plan.resolved import ResolvedPlan
+from engine.plan.resolved import ResolvedPlan, SpeculativeConfig
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 from engine.core.block_manager import BlockManager
 from engine.core.sequence import Sequence, SequenceStatus
-from engine.core.speculative import SpeculativeConfig, propose_ngram
+from engine.core.speculative import propose_ngram
 from engine.kv_transfer.handles import LEASE_MARGIN_S, KVPull, KVRole
+from engine.plan.resolved import SpeculativeConfig
 from engine.runtime.step import ScheduledChunk, ScheduledStep
 
 

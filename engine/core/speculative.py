@@ -11,16 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """The plan's speculative_config, resolved (method ngram)."""
-
-    num_speculative_tokens: int  # k: proposals per step
-    prompt_lookup_min: int  # shortest suffix n-gram looked up
-    prompt_lookup_max: int  # longest suffix n-gram looked up
-    disable_by_batch_size: int | None = None  # no proposals while more sequences than this run
-
-
 def propose_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     """Up to `k` tokens that followed an earlier occurrence of the sequence's last n tokens (vLLM's prompt lookup).
 

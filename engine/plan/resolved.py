@@ -13,12 +13,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.checkpoints.model_info import ModelInfo
-from engine.core.speculative import SpeculativeConfig
 from engine.kernels.cpu_paths import CpuPaths
 from engine.parallel_layout import ParallelLayout
 from engine.placement.split import DensePlacement
 from engine.plan.kv_sizing import KVSizing
 from engine.plan.schema import DisaggSection, Plan
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """The plan's speculative_config, resolved (method ngram)."""
+
+    num_speculative_tokens: int  # k: proposals per step
+    prompt_lookup_min: int  # shortest suffix n-gram looked up
+    prompt_lookup_max: int  # longest suffix n-gram looked up
+    disable_by_batch_size: int | None = None  # no proposals while more sequences than this run
 
 
 @dataclass

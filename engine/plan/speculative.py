@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 
-from engine.core.speculative import SpeculativeConfig
+from engine.plan.resolved import SpeculativeConfig
 from engine.plan.schema import SpeculativeSection
 from engine.plan.validation import PlanProblems
 
