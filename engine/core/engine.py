@@ -274,7 +274,8 @@ class LLMEngine:
         """Append a sampled token (its logprobs from `logits` [1, V]) and check the stops; a failure finishes only
         this sequence."""
         if token == INVALID:
-            return self._fail(seq, "sampling", "the next-token distribution has NaN or infinite values")
+            self._fail(seq, "sampling", "the next-token distribution has NaN or infinite values")
+            return
         try:
             if seq.params.logprobs is not None:
                 seq.logprobs.extend(token_logprobs(logits, [token], seq.params.logprobs))
@@ -288,7 +289,6 @@ class LLMEngine:
             if seq.is_finished:  # it failed after the scheduler released it: the engine's own state is suspect
                 raise
             self._fail(seq, "detokenizing or checking stops", exc)
-        return None
 
     def _verify(self, seq: Sequence, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
         """Accept a prefix of the chunk's proposals plus one token (`sampler.verify`), one token at a time as a
@@ -297,7 +297,8 @@ class LLMEngine:
         try:
             tokens = verify(logits, draft, seq.params, self.generators.get(seq.seq_id))
         except Exception as exc:
-            return self._fail(seq, "sampling", exc)
+            self._fail(seq, "sampling", exc)
+            return
         accepted = len(tokens) - 1
         seq.spec.record(len(draft), accepted)
         self.spec_counters.record(len(draft), accepted)
@@ -306,9 +307,8 @@ class LLMEngine:
             self.scheduler.computed(seq, chunk.start + 1 + j)
             self._emit(seq, token, logits[j : j + 1])
             if seq.is_finished:
-                return None
+                return
         self.scheduler.rollback(seq)
-        return None
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
         """A token (or `INVALID`) per row; if the batch raises, each row alone, so only the rows at fault fail."""
