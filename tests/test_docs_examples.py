@@ -26,7 +26,15 @@ from tests.test_eval_cmd import write_gsm8k
 
 ROOT = Path(__file__).resolve().parents[1]
 # The first ```bash block of each guide whose example runs on one machine without a GPU (multi-node and GPUs don't).
-GUIDES = ("running.md", "evaluating.md", "benchmarking.md", "pd.md", "speculative.md", "models.md")
+GUIDES = (
+    "running.md",
+    "evaluating.md",
+    "benchmarking.md",
+    "choosing-a-layout.md",
+    "pd.md",
+    "speculative.md",
+    "models.md",
+)
 TINY_OVERRIDES = ["cache.memory=64MiB"]  # the shipped CPU plans' 1 GiB per rank is for SmolLM2's long contexts
 
 
