@@ -17,15 +17,18 @@ from tests.oracle import write_plan
 
 pytestmark = pytest.mark.multiproc
 
-FAULT_HOOK = """
-import os
-if os.environ.get("RANK") == "1":
+# Loaded into every rank through sitecustomize: each step waits STEP_DELAY_S (so a run lasts long enough to be
+# killed mid-generation however fast the machine), and rank 1 raises at step FAULT_AT_STEP when it is set.
+STEP_HOOK = """
+import os, time
+if "RANK" in os.environ:
     from engine.runtime.model_runner import ModelRunner
     original, calls = ModelRunner.execute, [0]
     def execute(self, plan):
         calls[0] += 1
-        if calls[0] == 3:
+        if os.environ["RANK"] == "1" and str(calls[0]) == os.environ.get("FAULT_AT_STEP"):
             raise RuntimeError("injected fault on rank 1")
+        time.sleep(float(os.environ.get("STEP_DELAY_S", "0")))
         return original(self, plan)
     ModelRunner.execute = execute
 """
@@ -54,7 +57,13 @@ def start_run(tmp_path, tiny_models, extra_env=None, settings=None):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("hello world\nthe quick brown fox\n")
     stats = tmp_path / "stats"
-    env = dict(os.environ, DCPCTL_RANK_STATS_DIR=str(stats), **(extra_env or {}))
+    hook = tmp_path / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(STEP_HOOK)
+    pythonpath = os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])
+    env = dict(
+        os.environ, DCPCTL_RANK_STATS_DIR=str(stats), PYTHONPATH=pythonpath, STEP_DELAY_S="0.02", **(extra_env or {})
+    )
     cmd = [
         sys.executable,
         "-m",
@@ -79,7 +88,7 @@ def wait_for_ranks(proc, stats: Path, count: int = 2, timeout: float = 90) -> No
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "ranks did not start"
         time.sleep(0.2)
-    time.sleep(1.0)  # let generation get going
+    time.sleep(0.5)  # let generation get going (each step takes 20+ ms: 480 steps outlast the test)
 
 
 def finish(proc, timeout: float) -> tuple[int, str, float]:
@@ -110,11 +119,7 @@ def test_killed_rank_ends_every_rank_with_the_root_cause(tmp_path, tiny_models):
 
 
 def test_raising_rank_reports_its_own_error(tmp_path, tiny_models):
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(FAULT_HOOK)
-    path = os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])
-    proc, marker, _ = start_run(tmp_path, tiny_models, extra_env={"PYTHONPATH": path})
+    proc, marker, _ = start_run(tmp_path, tiny_models, extra_env={"FAULT_AT_STEP": "3"})
     code, err, _ = finish(proc, timeout=120)
     assert code == 1
     assert "error: the run failed: rank 1: RuntimeError: injected fault on rank 1" in err
