@@ -120,6 +120,39 @@ def tiny(
 
 
 @app.command()
+def random(
+    name: str = typer.Argument(
+        ..., help="A named model: deepseek-v2-lite, llama-3.1-8b-instruct, ... (see the error)."
+    ),
+    output: str = typer.Option(
+        ..., "--output", "-o", help="Folder to create (must be absent or empty unless --force)."
+    ),
+    set_: list[str] = typer.Option(
+        [], "--set", help="KEY=VALUE: change one config.json field (e.g. num_hidden_layers=2 for a quick check)."
+    ),
+    dtype: str = typer.Option("bfloat16", help="Weight dtype: bfloat16, float16 or float32."),
+    device: str = typer.Option("auto", help="Where the weights are drawn: auto (CUDA when present), cuda or cpu."),
+    seed: int = typer.Option(0, help="Weight seed."),
+    shard_mib: int = typer.Option(2048, help="Largest safetensors shard in MiB (a bigger tensor gets its own)."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty output folder."),
+) -> None:
+    """Write a model folder with a named model's real config and random weights (for real-size speed checks)."""
+    from engine.checkpoints.random_model import make_random_checkpoint, parse_overrides
+
+    path = make_random_checkpoint(
+        name,
+        output,
+        overrides=parse_overrides(set_),
+        dtype=dtype,
+        device=device,
+        seed=seed,
+        max_shard_bytes=shard_mib << 20,
+        overwrite=force,
+    )
+    _out.print(str(path))
+
+
+@app.command()
 def pull(
     name: str = typer.Argument(..., help="A known alias (e.g. smollm2-135m-instruct) or a hub id ORG/NAME."),
     dest: Path | None = typer.Option(None, "--dest", help="Target folder (default: the dcpctl model cache)."),

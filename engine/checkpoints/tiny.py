@@ -97,7 +97,7 @@ def make_tiny_checkpoint(
         raise UserError(f"seed must be 0 .. 2**63-1 (got {seed})")
     out = Path(out).expanduser()
     resolved = _resolve_sizes(arch, sizes)
-    _check_out(out, overwrite)
+    check_out_folder(out, overwrite)
 
     import torch
 
@@ -118,7 +118,7 @@ def make_tiny_checkpoint(
         provenance = {"arch": arch, "seed": seed, "sizes": resolved}
         (build / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
         make_readable(build)
-        _move_into_place(build, out, Path(work))
+        move_into_place(build, out, Path(work))
     return out
 
 
@@ -127,29 +127,42 @@ def init_weights(model: Any, seed: int) -> None:
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    hidden = model.config.hidden_size
-    embed_std = _LOGIT_STD / math.sqrt(hidden) if tied else _EMBED_STD
+    embed_std = embedding_std(model.config)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            shape = param.shape
-            if "norm" in name:
-                lo, hi = _NORM_RANGE
-                value = lo + (hi - lo) * torch.rand(shape, generator=gen)
-            elif name.endswith(".bias"):
-                value = _BIAS_STD * torch.randn(shape, generator=gen)
-            elif name.startswith("lm_head"):
-                value = _LOGIT_STD / math.sqrt(shape[-1]) * torch.randn(shape, generator=gen)
-            elif "embed_tokens" in name:
-                value = embed_std * torch.randn(shape, generator=gen)
-            else:
-                gain = _LINEAR_GAIN
-                if name.endswith("mlp.gate.weight"):
-                    gain = _ROUTER_GAIN
-                elif "o_proj" in name or "down_proj" in name:
-                    gain = _OUT_GAIN_PER_EMBED_STD * embed_std
-                value = gain / math.sqrt(shape[-1]) * torch.randn(shape, generator=gen)
-            param.copy_(value.to(param.dtype))
+            param.copy_(random_parameter(name, param.shape, gen, embed_std).to(param.dtype))
+
+
+def embedding_std(config: Any) -> float:
+    """The token embedding's init std: tied embeddings double as the LM head, so they get its logit scale."""
+    if getattr(config, "tie_word_embeddings", False):
+        return _LOGIT_STD / math.sqrt(config.hidden_size)
+    return _EMBED_STD
+
+
+def random_parameter(name: str, shape: Any, gen: Any, embed_std: float, dtype: Any = None) -> Any:
+    """One parameter's random init (fp32 unless `dtype`), drawn from `gen` on the generator's device; the scale
+    depends on the parameter's family, read from its HF name (see the module docstring)."""
+    import torch
+
+    kw = {"generator": gen, "device": gen.device, "dtype": dtype}
+    if "norm" in name:
+        lo, hi = _NORM_RANGE
+        return torch.rand(shape, **kw).mul_(hi - lo).add_(lo)
+    if name.endswith(".bias"):
+        std = _BIAS_STD
+    elif name.startswith("lm_head"):
+        std = _LOGIT_STD / math.sqrt(shape[-1])
+    elif "embed_tokens" in name:
+        std = embed_std
+    else:
+        gain = _LINEAR_GAIN
+        if name.endswith("mlp.gate.weight"):
+            gain = _ROUTER_GAIN
+        elif "o_proj" in name or "down_proj" in name:
+            gain = _OUT_GAIN_PER_EMBED_STD * embed_std
+        std = gain / math.sqrt(shape[-1])
+    return torch.randn(shape, **kw).mul_(std)
 
 
 def make_readable(folder: Path) -> None:
@@ -313,7 +326,8 @@ def _torch_seed(seed: int) -> Iterator[None]:
         torch.random.set_rng_state(state)
 
 
-def _check_out(out: Path, overwrite: bool) -> None:
+def check_out_folder(out: Path, overwrite: bool) -> None:
+    """A UserError unless `out` may become a new model folder (absent, empty, or replaced with `overwrite`)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} exists and is not a folder: pick another output path")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
@@ -321,7 +335,8 @@ def _check_out(out: Path, overwrite: bool) -> None:
     writable_folder(out, "output folder")
 
 
-def _move_into_place(build: Path, out: Path, work: Path) -> None:
+def move_into_place(build: Path, out: Path, work: Path) -> None:
+    """Rename the finished `build` folder to `out` (an old `out` goes into `work`, removed with it)."""
     if out.is_dir():
         if any(out.iterdir()):
             os.replace(out, work / "old")  # removed with the work folder
