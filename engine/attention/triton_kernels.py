@@ -10,19 +10,12 @@
 All return the log-sum-exp (natural log, fp32; -inf where a row saw no key) and accumulate in fp32.
 
 CUDA tensors run compiled kernels; CPU tensors run the same kernel bodies in the Triton interpreter (tests, CPU
-plans). The interpreted versions are made by `triton.jit` under a scoped TRITON_INTERPRET=1 (triton reads it when a
-function is decorated), so nothing depends on the variable being set before triton is imported (torch._dynamo
-imports triton early). For that the bodies call no jitted library function (`tl.zeros`, `tl.max`, `tl.sum` are
-jitted): `tl.full` and `tl.reduce` with triton's own combine functions, which the interpreter runs in numpy. The
-interpreter computes `tl.dot` on bf16/fp16 bits wrongly, so there every dot runs in fp32.
+plans): engine.kernels.triton_modes says how, and what that asks of a kernel body.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -30,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.standard import _elementwise_max, _sum_combine
+
+from engine.kernels.triton_modes import interpreted, jit_bodies, next_pow2
 
 LOG2E = 1.4426950408889634
 
@@ -276,41 +271,17 @@ _BODIES = {
 }
 
 
-@contextlib.contextmanager
-def _interpret_env(on: bool) -> Iterator[None]:
-    previous = os.environ.get("TRITON_INTERPRET")
-    if on:
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        if on and previous is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        elif on:
-            os.environ["TRITON_INTERPRET"] = previous
-
-
 @functools.cache
 def _kernels(interpret: bool) -> SimpleNamespace:
     """The kernels jitted for the compiler (False) or the interpreter (True), made once per mode."""
-    with _interpret_env(interpret):
-        return SimpleNamespace(**{name: triton.jit(body) for name, body in _BODIES.items()})
-
-
-def interpreted(t: torch.Tensor) -> bool:
-    """Whether kernels on `t` run in the Triton interpreter: every non-CUDA tensor, or all with TRITON_INTERPRET=1."""
-    return t.device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+    return jit_bodies(_BODIES, interpret)
 
 
 def _key_split(dk: int) -> tuple[int, int]:
     """Key dims as a power-of-two part DA plus a padded rest DB (0: none), e.g. 576 = 512 + 64, 40 = 32 + 16."""
     da = max(16, 1 << (dk.bit_length() - 1))
     rest = dk - da
-    return da, (max(16, _next_pow2(rest)) if rest > 0 else 0)
+    return da, (max(16, next_pow2(rest)) if rest > 0 else 0)
 
 
 def _precision(dtype: torch.dtype) -> str | None:
@@ -345,7 +316,7 @@ def store_kv(
     width = hkv * max(dk, dv)
     interp = interpreted(key)
     block_t = 64 if interp else 16
-    block_e = min(_next_pow2(width), 4096 if interp else 1024)
+    block_e = min(next_pow2(width), 4096 if interp else 1024)
     v, vc = (value, value_cache) if has_value else (key, key_cache)
     grid = (triton.cdiv(n, block_t), triton.cdiv(width, block_e))
     _kernels(interp).store_kv[grid](
@@ -432,7 +403,7 @@ def paged_attention(
     # MLA: reuse the loaded key tile as the values when they fit in its power-of-two part, else load them
     # from the key cache like a value cache
     value_in_key = value_cache is None and value_dim <= da
-    block_dv = da if value_in_key else max(16, _next_pow2(value_dim))
+    block_dv = da if value_in_key else max(16, next_pow2(value_dim))
     tiles = triton.cdiv(max_queries * group, cfg.block_m)
     if num_splits is None:
         splits, split_len = choose_splits(max_len, seqs * tiles * hkv, cfg.block_n, q.device, interp)
@@ -472,7 +443,7 @@ def _merge_into(part_o: torch.Tensor, part_l: torch.Tensor, out: torch.Tensor, l
     _kernels(interpreted(out)).merge[(tokens, heads)](
         part_o, part_l, out, lse, parts, heads,
         *part_o.stride(), *part_l.stride(), *out.stride(), *lse.stride(),
-        DV=dv, BLOCK_DV=max(16, _next_pow2(dv)),
+        DV=dv, BLOCK_DV=max(16, next_pow2(dv)),
     )  # fmt: skip
 
 
@@ -516,7 +487,7 @@ def prefill_attention(
     _kernels(interp).prefill[grid](
         q, k, v, cu_seqlens, out, lse, scale * LOG2E,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-        G=heads // k.shape[1], DK=dk, DA=da, DB=db, DV=dv, BLOCK_DV=max(16, _next_pow2(dv)),
+        G=heads // k.shape[1], DK=dk, DA=da, DB=db, DV=dv, BLOCK_DV=max(16, next_pow2(dv)),
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_F32=interp, PRECISION=_precision(q.dtype), **extra,
     )  # fmt: skip
     return out, lse

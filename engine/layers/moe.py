@@ -1,5 +1,6 @@
 """Mixture-of-experts: a replicated fp32 router and experts split on their intermediate dim over a shard's ranks (the
-TP group, or the whole world with the sharded dense placement)."""
+TP group, or the whole world with the sharded dense placement). On CUDA the routed experts run as two Triton grouped
+GEMMs (engine.layers.fused_moe); on CPU one expert at a time."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch import nn
 from engine.checkpoints.weights import CheckpointTensor, copy_into
 from engine.distributed import Shard, get_parallel
 from engine.layers.activation import silu_and_mul
+from engine.layers.fused_moe import fused_experts
 from engine.layers.linear import attach_loader
 
 
@@ -79,10 +81,20 @@ class Experts(nn.Module):
         copy_into(param.data[shard_id], tensor.chunk(1, self.parts, self.index), tensor.name)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for expert in ids.unique().tolist():
-            token, slot = (ids == expert).nonzero(as_tuple=True)
-            hidden = silu_and_mul(F.linear(x[token], self.w13[expert]))
-            y = F.linear(hidden, self.w2[expert]) * weights[token, slot].unsqueeze(1).to(x.dtype)
-            out.index_add_(0, token, y)
-        return out
+        if x.is_cuda:  # two grouped GEMMs, no host sync (a CUDA graph can hold them)
+            return fused_experts(x, self.w13, self.w2, weights, ids)
+        return experts_loop(x, self.w13, self.w2, weights, ids)
+
+
+def experts_loop(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """The routed experts one at a time from Python (the CPU path, and the reference of `fused_experts`): each
+    expert's tokens through its gated MLP, scaled by their routing weights, summed into their rows."""
+    out = torch.zeros_like(x)
+    for expert in ids.unique().tolist():
+        token, slot = (ids == expert).nonzero(as_tuple=True)
+        hidden = silu_and_mul(F.linear(x[token], w13[expert]))
+        y = F.linear(hidden, w2[expert]) * weights[token, slot].unsqueeze(1).to(x.dtype)
+        out.index_add_(0, token, y)
+    return out
