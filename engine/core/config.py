@@ -42,6 +42,7 @@ class EngineConfig:
     local_world_size: int  # ranks on this node, which share its cores
     kv_role: KVRole | None = None  # P/D: this instance's part in the hand-off
     speculative: SpeculativeConfig | None = None  # speculative decoding (speculative_config), None: off
+    enforce_eager: bool = False  # CUDA: no decode graphs
 
     @classmethod
     def from_plan(cls, resolved: ResolvedPlan, kv_role: KVRole | None = None) -> EngineConfig:
@@ -80,4 +81,5 @@ class EngineConfig:
             local_world_size=resolved.local_world_size,
             kv_role=kv_role,
             speculative=resolved.speculative,
+            enforce_eager=plan.model.enforce_eager,
         )

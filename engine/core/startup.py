@@ -94,6 +94,12 @@ def start_rank(
     )
     if kv_role is not None:
         runner.attach_kv_role(kv_role)
+    if device.type == "cuda":
+        graphs = "CUDA graphs: off (model.enforce_eager)"
+        if not config.enforce_eager:
+            graphs = runner.capture_graphs(config.scheduler.max_num_seqs, config.max_model_len)
+        if par.is_driver:
+            print(f"dcpctl: {graphs}", file=sys.stderr, flush=True)
     _write_rank_stats(par, runner)
     if runner.cpu_paths and par.is_driver:
         print(f"dcpctl: {runner.cpu_paths}", file=sys.stderr, flush=True)

@@ -34,6 +34,7 @@ VLLM_FLAGS = {
     "model.path": "--model",
     "model.dtype": "--dtype",
     "model.max_model_len": "--max-model-len",
+    "model.enforce_eager": "--enforce-eager",
     "parallel.tp": "--tensor-parallel-size",
     "parallel.dcp": "--decode-context-parallel-size",
     "parallel.interleave": "--cp-kv-cache-interleave-size",
@@ -57,6 +58,7 @@ class ModelSection:
     path: str = MISSING  # an HF checkpoint folder (config.json, *.safetensors) or an alias: smollm2-135m-instruct
     dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's 16-bit dtype (else bfloat16) on CUDA
     max_model_len: int | None = None  # context length; unset: the model's max_position_embeddings, at most that
+    enforce_eager: bool = False  # CUDA: decode eagerly, not as CUDA graphs captured per batch size (CPU: always eager)
 
 
 @dataclass

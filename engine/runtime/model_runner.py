@@ -24,6 +24,7 @@ from engine.layers.attention import PagedAttention
 from engine.models import build_model
 from engine.models.base import streamline_modules
 from engine.models.loading import load_checkpoint
+from engine.runtime.cuda_graphs import GRAPH_BACKENDS, DecodeGraphs, DecodeRows, capture_sizes
 from engine.runtime.step import ScheduledStep
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -78,6 +79,7 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.kv_exporter: KVExporter | None = None
         self.kv_receiver: KVReceiver | None = None
+        self.graphs: DecodeGraphs | None = None
 
     def allocate_cache(self, layout: CacheLayout) -> None:
         """One allocation for all layers, in the backend's preferred layout; each attention layer gets views of it."""
@@ -99,6 +101,43 @@ class ModelRunner:
         )
         for layer, (keys, values) in zip(layers, views, strict=True):
             layer.key_cache, layer.value_cache = keys, values
+
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> str:
+        """Capture decode steps of 1..max_num_seqs sequences as CUDA graphs (after `allocate_cache`); returns the
+        start-up line that says what was captured, or why decode runs eagerly."""
+        if self.device.type != "cuda":
+            return "CUDA graphs: off (CPU)"
+        if self.backend.name not in GRAPH_BACKENDS:
+            return f"CUDA graphs: off (attention.backend {self.backend.name}; graphs need {', '.join(GRAPH_BACKENDS)})"
+        c = self.cache_layout
+        d = self.par.dcp_size
+        graphs = DecodeGraphs(
+            self._graph_forward,
+            self.backend,
+            capture_sizes(max_num_seqs),
+            max_len=dcp.local_len(max_model_len, 0, c.interleave, d),  # rank 0 holds the most of any length
+            max_blocks=-(-max_model_len // (c.block_size * d)),
+            block_size=c.block_size,
+            need_lse=d > 1,
+            device=self.device,
+        )
+        graphs.capture()
+        self.graphs = graphs
+        sizes, seconds = graphs.sizes, graphs.capture_seconds
+        return f"CUDA graphs: {len(sizes)} decode batch sizes ({sizes[0]}..{sizes[-1]}) captured in {seconds:.1f} s"
+
+    def _graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids, positions)
+        return self.model.compute_logits(hidden) if self.par.computes_logits else hidden
+
+    def _replayable(self, step: ScheduledStep) -> bool:
+        """A decode-only step with one logit row per sequence, within the largest captured batch size."""
+        return (
+            self.graphs is not None
+            and step.num_prefills == 0
+            and len(step.chunks) <= self.graphs.sizes[-1]
+            and all(ch.num_logit_rows == 1 for ch in step.chunks)
+        )
 
     def attach_kv_role(self, role: KVRole) -> None:
         """A P/D instance's rank: export the KV storage (prefill) or get ready to pull into it (decode)."""
@@ -181,6 +220,24 @@ class ModelRunner:
             need_lse=need_lse,
         )
 
+    def _decode_rows(self, step: ScheduledStep, with_lens: bool = False) -> DecodeRows:
+        """A decode-only step's host values on this rank: token, position and slot per sequence, and with
+        `with_lens` its local length (the eager path derives those in `_metadata`)."""
+        c = self.cache_layout
+        rank, d = self.par.dcp_rank, self.par.dcp_size
+        chunks = step.chunks
+        starts = [ch.start for ch in chunks]
+        return DecodeRows(
+            input_ids=[ch.token_ids[0] for ch in chunks],
+            positions=starts,
+            slots=[
+                dcp.slot(p, rank, ch.block_table, c.block_size, c.interleave, d)
+                for p, ch in zip(starts, chunks, strict=True)
+            ],
+            local_lens=[dcp.local_len(p + 1, rank, c.interleave, d) for p in starts] if with_lens else [],
+            tables=[ch.block_table for ch in chunks],
+        )
+
     def prepare_inputs(self, step: ScheduledStep) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Token ids, positions and attention metadata of a (non-empty) step, built once for all layers."""
         chunks = step.chunks
@@ -191,16 +248,11 @@ class ModelRunner:
             [ch.block_table + [0] * (width - len(ch.block_table)) for ch in chunks], dtype=torch.int64, device=device
         )
         if step.num_prefills == 0:  # one token per chunk: positions and slots from Python ints, no tensor math
-            rank, d = self.par.dcp_rank, self.par.dcp_size
-            starts = [ch.start for ch in chunks]
-            slots = [
-                dcp.slot(p, rank, ch.block_table, c.block_size, c.interleave, d)
-                for p, ch in zip(starts, chunks, strict=True)
-            ]
-            input_ids = torch.tensor([ch.token_ids[0] for ch in chunks], device=device)
-            positions = torch.tensor(starts, device=device)
+            rows = self._decode_rows(step)
+            input_ids = torch.tensor(rows.input_ids, device=device)
+            positions = torch.tensor(rows.positions, device=device)
             cu = torch.arange(len(chunks) + 1, device=device)
-            return input_ids, positions, self._metadata(step, cu, tables, torch.tensor(slots, device=device))
+            return input_ids, positions, self._metadata(step, cu, tables, torch.tensor(rows.slots, device=device))
         counts = torch.tensor([len(ch.token_ids) for ch in chunks], device=device)
         starts = torch.tensor([ch.start for ch in chunks], device=device)
         cu = torch.zeros(len(chunks) + 1, dtype=torch.int64, device=device)
@@ -219,6 +271,11 @@ class ModelRunner:
         chunks = step.chunks
         if not chunks:
             return None
+        if self._replayable(step):
+            out = self.graphs.run(self._decode_rows(step, with_lens=True))
+            if not self.par.computes_logits:
+                return None
+            return StepLogits(logits=out, chunk_rows=[(i, 1) for i in range(len(chunks))])
         input_ids, positions, metadata = self.prepare_inputs(step)
         with step_metadata(metadata):
             hidden = self.model(input_ids, positions)
