@@ -92,8 +92,8 @@ class StaticDecodeInputs:
         )
 
 
-StepForward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""(input_ids, positions) -> the step's output (logits on the rank that computes them, else hidden states)."""
+StepForward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None]
+"""(input_ids, positions) -> the step's logits, on the rank that gets them (None elsewhere)."""
 
 
 class DecodeGraphs:
@@ -114,10 +114,10 @@ class DecodeGraphs:
         self.inputs = StaticDecodeInputs(sizes[-1], max_blocks, device)
         self._forward, self._backend = forward, backend
         self._max_len, self._block_size, self._need_lse = max_len, block_size, need_lse
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self.capture_seconds = 0.0
 
-    def step(self, bucket: int) -> torch.Tensor:
+    def step(self, bucket: int) -> torch.Tensor | None:
         """The decode step on the buffers' first `bucket` rows, run eagerly (what `capture` records)."""
         md = self.inputs.metadata(bucket, self._backend, self._max_len, self._block_size, self._need_lse)
         self._backend.prepare(md)  # inside the graph: a backend's per-step tensors are recomputed on replay
@@ -141,11 +141,11 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
 
-    def run(self, rows: DecodeRows) -> torch.Tensor:
-        """Replay the step's bucket (it has at most the largest bucket's rows) and return its first n output rows,
-        valid until the next replay."""
+    def run(self, rows: DecodeRows) -> torch.Tensor | None:
+        """Replay the step's bucket (it has at most the largest bucket's rows) and return the logits of its n rows,
+        valid until the next replay (None on a rank that gets no logits)."""
         bucket = bucket_for(len(rows.input_ids), self.sizes)
         self.inputs.fill(rows, bucket)
         graph, out = self._graphs[bucket]
         graph.replay()
-        return out[: len(rows.input_ids)]
+        return None if out is None else out[: len(rows.input_ids)]

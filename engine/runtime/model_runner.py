@@ -126,9 +126,10 @@ class ModelRunner:
         sizes, seconds = graphs.sizes, graphs.capture_seconds
         return f"CUDA graphs: {len(sizes)} decode batch sizes ({sizes[0]}..{sizes[-1]}) captured in {seconds:.1f} s"
 
-    def _graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The eager step's work for a graph: the forward pass, and the logits where `execute` computes them."""
         hidden = self.model(input_ids, positions)
-        return self.model.compute_logits(hidden) if self.par.computes_logits else hidden
+        return self.model.compute_logits(hidden) if self.par.computes_logits else None
 
     def _replayable(self, step: ScheduledStep) -> bool:
         """A decode-only step with one logit row per sequence, within the largest captured batch size."""
@@ -272,10 +273,8 @@ class ModelRunner:
         if not chunks:
             return None
         if self._replayable(step):
-            out = self.graphs.run(self._decode_rows(step, with_lens=True))
-            if not self.par.computes_logits:
-                return None
-            return StepLogits(logits=out, chunk_rows=[(i, 1) for i in range(len(chunks))])
+            logits = self.graphs.run(self._decode_rows(step, with_lens=True))
+            return None if logits is None else StepLogits(logits, [(i, 1) for i in range(len(chunks))])
         input_ids, positions, metadata = self.prepare_inputs(step)
         with step_metadata(metadata):
             hidden = self.model(input_ids, positions)
