@@ -6,11 +6,17 @@
 #                                                .whl/ (git-ignored); carry .whl to the GPU machine with the tree
 #   bash benchmarks/gpu_check.sh --cpu-smoke     here: the same stages on CPU, tiny (checks the script itself)
 #   bash benchmarks/gpu_check.sh --quick         on the GPU machine: environment, tests and equivalence only (~2 min)
+#   bash benchmarks/gpu_check.sh --e2e           on the GPU machine: environment and the end-to-end stage only (~4 min)
+#   bash benchmarks/gpu_check.sh --skip-e2e      on the GPU machine: every stage but the end-to-end one (~2.5 min)
 #
-# Stages (each under its own timeout; ~2.5 minutes on an H200): environment (a python with CUDA torch + triton; missing
-# packages from .whl/ or pip; flash-attn only if a wheel installs, else skipped with a note), the kernel and backend
-# tests on CUDA (pytest -m gpu), tiny-model greedy equivalence per backend (and the torch backend against HF), the
-# decode bandwidth benchmark (benchmarks/attention_bench.py) and a Triton tile sweep. Results go to $OUT (default runs/gpu_check/).
+# Stages (each under its own timeout; ~2.5 minutes on an H200 before the end-to-end stage): environment (a python with
+# CUDA torch + triton; missing packages from .whl/ or pip; flash-attn only if a wheel installs, else skipped with a
+# note), the kernel and backend tests on CUDA (pytest -m gpu: attention, fused MoE, CUDA graphs), tiny-model greedy
+# equivalence per backend (and the torch backend against HF), the decode bandwidth benchmark
+# (benchmarks/attention_bench.py), a Triton tile sweep, and the end-to-end decode (benchmarks/e2e_decode.py: random
+# DeepSeek-V2-Lite- and Llama-3.1-8B-shaped bf16 checkpoints generated on the GPU, batch 1/8/64 x input 2k/32k, CUDA
+# graphs on vs off, tok/s against the HBM roofline; each checkpoint is deleted after its run, so the disk needs ~32 GB
+# free, not 48). Results go to $OUT (default runs/gpu_check/).
 # One GPU runs one rank: the tp2 dcp2 whole-model check is the CPU test (tests/test_triton_backend.py, multiproc);
 # here the DCP-sharded math runs on CUDA in test_gpu_backend_matches_torch (dcp 2 per-rank + merge).
 set -uo pipefail
@@ -27,8 +33,12 @@ fi
 
 SMOKE=0
 QUICK=0
+E2E=1    # the end-to-end stage
+OTHERS=1 # the stages before it
 [ "${1:-}" = "--cpu-smoke" ] && SMOKE=1
-[ "${1:-}" = "--quick" ] && QUICK=1  # the correctness stages only (a rerun after a fix)
+[ "${1:-}" = "--quick" ] && QUICK=1 && E2E=0  # the correctness stages only (a rerun after a fix)
+[ "${1:-}" = "--e2e" ] && OTHERS=0
+[ "${1:-}" = "--skip-e2e" ] && E2E=0
 OUT=${OUT:-$ROOT/runs/gpu_check}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu_check.log") 2>&1
@@ -95,9 +105,11 @@ for name in ("flash_attn", "transformers", "omegaconf"):
 EOF
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv
 
+if [ "$OTHERS" = 1 ]; then
 stage "kernel and backend tests (pytest -m gpu)"
 if [ "$SMOKE" = 1 ]; then MARK="not gpu and not multiproc"; else MARK="gpu"; fi
-timeout 180 "$PY" -m pytest tests/test_triton_kernels.py tests/test_triton_backend.py -m "$MARK" -q -rs \
+timeout 180 "$PY" -m pytest tests/test_triton_kernels.py tests/test_triton_backend.py tests/test_fused_moe.py \
+  tests/test_cuda_graphs.py -m "$MARK" -q -rs \
   -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
 record "pytest -m '$MARK'" "${PIPESTATUS[0]}"
 
@@ -193,6 +205,21 @@ record "attention_bench" "$?"
 stage "Triton decode tile sweep (tuning data)"
 timeout 50 "$PY" benchmarks/attention_bench.py "${BENCH[@]}" --sweep | tee "$OUT/triton_sweep.md"
 record "tile sweep" "${PIPESTATUS[0]}"
+fi
+fi
+
+if [ "$E2E" = 1 ]; then
+stage "end to end: decode at real shapes, CUDA graphs on vs off (benchmarks/e2e_decode.py)"
+if [ "$SMOKE" = 1 ]; then
+  E2EARGS=(--tiny --batches 1 8 --inputs 64 256 --steps 3 --peak-tbs 0.05); E2ETIME=120
+else
+  E2EARGS=(); E2ETIME=270  # per model: generate (~30 s for 31 GB), load, capture, 2 x 6 cases, the MoE timing
+fi
+for MODEL in deepseek-v2-lite llama-3.1-8b-instruct; do
+  timeout "$E2ETIME" "$PY" benchmarks/e2e_decode.py --model "$MODEL" --work "${E2E_WORK:-/tmp}" --out "$OUT" \
+    "${E2EARGS[@]}" 2>&1 | tail -40
+  record "e2e $MODEL" "${PIPESTATUS[0]}"
+done
 fi
 
 stage "done"
