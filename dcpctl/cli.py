@@ -18,6 +18,7 @@ app = typer.Typer(
     add_completion=False,
 )
 plan_cmd.app.command("export")(export_cmd.export)
+plan_cmd.app.command("import")(export_cmd.import_plan)
 app.add_typer(plan_cmd.app, name="plan")
 app.add_typer(model_cmd.app, name="model")
 app.command("run")(run_cmd.run)

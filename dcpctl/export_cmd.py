@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shlex
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -12,9 +14,9 @@ from rich.text import Text
 
 from dcpctl.args import split_plans_and_overrides
 from engine.errors import UserError
-from engine.peers.export import ENGINES, Export, Gap, export_plan, plan_facts
-
-ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
+from engine.io_utils import atomic_write_text, writable_file
+from engine.peers.export import ENGINE_NAMES, ENGINES, Export, Gap, export_plan, plan_facts
+from engine.peers.imports import import_words
 
 
 def _command_lines(argv_text: str, argv: list[str]) -> str:
@@ -128,3 +130,39 @@ def export(
         console.print("--allow-partial prints the closest layout it runs, with the differences listed")
         raise typer.Exit(1)
     typer.echo(json.dumps(result.to_dict(), indent=2) if as_json else render_export(result))
+
+
+def import_plan(
+    words: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="After --: `vllm serve MODEL ...`, `python -m sglang.launch_server ...` or `trtllm-serve MODEL`."
+        ),
+    ] = None,
+    output: Annotated[str, typer.Option("--output", "-o", help="The plan file to write (YAML).")] = "",
+    trtllm: Annotated[
+        str | None, typer.Option(help="A TensorRT-LLM --extra_llm_api_options YAML to read instead of flags.")
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="The plan's name (default: the output file's stem).")] = None,
+) -> None:
+    """Write the dcpctl plan for another engine's command line (after --), reporting every flag not understood."""
+    if not output:
+        raise UserError("give the plan file to write with --output PLAN.yaml")
+    writable_file(output, "--output")
+    imported = import_words(words or [], trtllm)
+    if "model.path" not in imported.settings:
+        raise UserError("the command names no model: give it as vLLM/TensorRT-LLM's MODEL or SGLang's --model-path")
+    source = shlex.join(words or []) + (f" (--trtllm {trtllm})" if trtllm else "")
+    text = f"# imported by `dcpctl plan import` from: {source}\n"
+    atomic_write_text(output, text + yaml.safe_dump(imported.plan_data(name or Path(output).stem), sort_keys=False))
+    console = Console(stderr=True)
+    console.print(
+        f"wrote {output} ({len(imported.settings)} settings from {ENGINE_NAMES[imported.engine]}); check it with "
+        f"`dcpctl plan validate {output}`",
+        highlight=False,
+        soft_wrap=True,
+    )
+    for note in imported.notes:
+        console.print(f"note: {note}", highlight=False, soft_wrap=True)
+    for word in imported.not_understood:
+        console.print(f"not understood (left out of the plan): {word}", highlight=False, soft_wrap=True)

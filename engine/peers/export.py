@@ -21,6 +21,7 @@ from engine.plan.resolved import ResolvedPlan
 from engine.plan.schema import Plan
 
 ENGINES = ("vllm", "sglang", "trtllm")
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}
 # plan fields that describe the plan or dcpctl itself: no engine needs them
 _OWN_FIELDS = ("name", "description", "base", "engine.", "disagg.prefill")
 
