@@ -114,7 +114,11 @@ def export(
         raise UserError(f"--to {to!r} is not an engine dcpctl exports to: choose one of {', '.join(ENGINES)}")
     facts = plan_facts(plans[0], overrides)
     result = export_plan(to, facts)
-    if to == "vllm" and check and (result.runnable or allow_partial):
+    if to != "vllm":
+        result.checked = "nothing: dcpctl checks exports against an installed vLLM only"
+    elif not check:
+        result.checked = "nothing (--no-check)"
+    elif result.runnable or allow_partial:
         _check_with_vllm(result, vllm_python or facts.plan.engine.python)
     if not result.runnable and not allow_partial:
         console = Console(stderr=True)
