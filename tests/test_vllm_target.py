@@ -124,3 +124,17 @@ def test_never_healthy_then_a_crash_mid_eval_leave_no_process(tmp_path):
     assert outcome.error.startswith(("the server exited with code", "the server was killed by"))
     assert outcome.error.endswith("during the eval")
     assert group_alive(servers["server"].pid) == [] and shim_processes() == []
+
+
+@pytest.mark.slow  # the plan must be runnable first: needs the SmolLM2 checkpoint
+def test_dcpctl_run_says_how_to_serve_a_vllm_plan():
+    from typer.testing import CliRunner
+
+    from dcpctl.cli import app
+
+    result = CliRunner().invoke(app, ["run", VLLM_PLAN, "--prompt", "hi"])
+    assert str(result.exception) == (
+        f"plan smollm2_tp1_dcp1_vllm names engine.name=vllm, which `dcpctl eval` and `dcpctl bench` launch; "
+        f"`dcpctl run` serves with dcpctl's engine: run `dcpctl plan export {VLLM_PLAN} --to vllm` and start that "
+        "command, or set engine.name=dcpctl"
+    )
