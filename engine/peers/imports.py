@@ -306,6 +306,10 @@ def import_trtllm(config_file: str | Path, words: list[str]) -> Imported:
         if cp_config.get("cp_type", "HELIX").upper() != "HELIX":
             out.not_understood.append(f"cp_config.cp_type: {cp_config.get('cp_type')} (dcpctl reads HELIX)")
         out.settings["parallel.dcp"] = cp
+        out.notes.append(
+            f"Helix tensor_parallel_size={tp} x context_parallel_size={cp}: read as parallel.tp={tp * cp} with "
+            f"parallel.dcp={cp} inside the TP group (the same {tp * cp} ranks and KV sharding)"
+        )
         block = cp_config.get("tokens_per_block", (config.get("kv_cache_config") or {}).get("tokens_per_block"))
         if block is not None:
             out.settings["parallel.interleave"] = block
