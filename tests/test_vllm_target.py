@@ -14,7 +14,8 @@ import psutil
 import pytest
 
 from engine.peers.vllm_check import SHIM, find_vllm_python, vllm_version
-from evals.lifecycle import measure_target
+from evals.launch import ServerStartError
+from evals.lifecycle import Launched, measure_target
 from evals.targets import resolve_targets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,10 +96,14 @@ def _pgid(pid: int) -> int | None:
 def test_never_healthy_then_a_crash_mid_eval_leave_no_process(tmp_path):
     installed_vllm()
     (target,) = resolve_targets([VLLM_PLAN], ["engine.startup_timeout_s=3"]).targets
-    outcome = measure(target, 600, lambda served: None, tmp_path)
-    assert outcome.error.startswith("plan smollm2_tp1_dcp1_vllm: the server was not healthy at http://127.0.0.1:")
-    assert "within 3 s" in outcome.error
-    assert shim_processes() == []
+    launched = Launched(
+        target, [], log_path=tmp_path / "never.log", keep_log=True, health_timeout_s=600, status=lambda _: None
+    )
+    with pytest.raises(ServerStartError) as err, launched:
+        pass
+    assert str(err.value).startswith("plan smollm2_tp1_dcp1_vllm: the server was not healthy at http://127.0.0.1:")
+    assert "within 3 s" in str(err.value)
+    assert group_alive(launched.server.pid) == [] and shim_processes() == []
     (target,) = resolve_targets([VLLM_PLAN], []).targets
     servers = {}
 
