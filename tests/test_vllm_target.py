@@ -95,9 +95,10 @@ def _pgid(pid: int) -> int | None:
 @pytest.mark.slow
 def test_never_healthy_then_a_crash_mid_eval_leave_no_process(tmp_path):
     installed_vllm()
-    (target,) = resolve_targets([VLLM_PLAN], ["engine.startup_timeout_s=3"]).targets
+    never = ["engine.startup_timeout_s=3"]  # vLLM-CPU needs a minute or more
+    (target,) = resolve_targets([VLLM_PLAN], never).targets
     launched = Launched(
-        target, [], log_path=tmp_path / "never.log", keep_log=True, health_timeout_s=600, status=lambda _: None
+        target, never, log_path=tmp_path / "never.log", keep_log=True, health_timeout_s=600, status=lambda _: None
     )
     with pytest.raises(ServerStartError) as err, launched:
         pass
