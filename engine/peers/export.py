@@ -209,6 +209,15 @@ def uncarried_gaps(plan: Plan, carried: set[str], engine: str, reference: str) -
     return gaps
 
 
+def pd_ports(plan: Plan) -> dict[str, int]:
+    """A P/D plan's instance ports: disagg.prefill_port / decode_port, or the two after serve.port (the router's)
+    where they are 0 (dcpctl picks free ones; another engine's command needs them fixed)."""
+    return {
+        "prefill": plan.disagg.prefill_port or plan.serve.port + 1,
+        "decode": plan.disagg.decode_port or plan.serve.port + 2,
+    }
+
+
 def prefixed(gap: Gap, side: str) -> Gap:
     """The gap as one side of a P/D deployment ("prefill: ...")."""
     return Gap(gap.field, f"{side}: {gap.message}", gap.reference, gap.blocking, gap.closest)

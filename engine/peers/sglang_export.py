@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from engine.peers.export import Export, Gap, Instance, PlanFacts, prefixed, uncarried_gaps
+from engine.peers.export import Export, Gap, Instance, PlanFacts, pd_ports, prefixed, uncarried_gaps
 from engine.plan.kv_sizing import parse_memory
 
 SERVER_ARGS = "SGLang docs/advanced_features/server_arguments.md"
@@ -144,10 +144,7 @@ def sglang_export(facts: PlanFacts) -> Export:
         argv, more = launch_argv(facts, dcp, plan.serve.port)
         return Export("sglang", plan.name, facts.source, [Instance("serve", argv)], layout + gaps + more)
     gaps += [prefixed(g, "prefill") for g in uncarried_gaps(facts.prefill.plan, CARRIED, "SGLang", SERVER_ARGS)]
-    ports = {
-        "prefill": plan.disagg.prefill_port or plan.serve.port + 1,
-        "decode": plan.disagg.decode_port or plan.serve.port + 2,
-    }
+    ports = pd_ports(plan)
     gaps.append(
         Gap(
             "serve.port",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.peers.export import Export, Gap, Instance, PlanFacts, prefixed, uncarried_gaps
+from engine.peers.export import Export, Gap, Instance, PlanFacts, pd_ports, prefixed, uncarried_gaps
 from engine.plan.kv_sizing import parse_memory
 
 HELIX = "TensorRT-LLM Helix parallelism (arXiv 2507.07120; docs/source/features/disagg-serving.md, cp_config)"
@@ -166,10 +166,7 @@ def trtllm_export(facts: PlanFacts) -> Export:
         instance = _instance(facts, "serve", plan.serve.port, cp)
         return Export("trtllm", plan.name, facts.source, [instance], helix + gaps + _memory_gap(facts))
     gaps += [prefixed(g, "prefill") for g in uncarried_gaps(facts.prefill.plan, CARRIED, "TensorRT-LLM", LLM_API)]
-    ports = {
-        "prefill": plan.disagg.prefill_port or plan.serve.port + 1,
-        "decode": plan.disagg.decode_port or plan.serve.port + 2,
-    }
+    ports = pd_ports(plan)
     gaps.append(
         Gap(
             "serve.port",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 
-from engine.peers.export import Export, Gap, Instance, PlanFacts, prefixed, uncarried_gaps
+from engine.peers.export import Export, Gap, Instance, PlanFacts, pd_ports, prefixed, uncarried_gaps
 from engine.plan.kv_sizing import parse_memory
 from engine.plan.schema import VLLM_FLAGS
 
@@ -253,10 +253,7 @@ def vllm_export(facts: PlanFacts) -> Export:
         side_gaps, dcps[side] = _layout_gaps(side_facts, side)
         gaps += side_gaps
     gaps += _pd_gaps(facts, facts.prefill, dcps)
-    ports = {
-        "prefill": plan.disagg.prefill_port or plan.serve.port + 1,
-        "decode": plan.disagg.decode_port or plan.serve.port + 2,
-    }
+    ports = pd_ports(plan)
     gaps.append(
         Gap(
             "serve.port",
