@@ -72,7 +72,12 @@ def measure(target, timeout_s: float, measure_fn, tmp_path: Path, on_server=None
 
 
 def group_alive(pgid: int) -> list[int]:
-    return [p.pid for p in psutil.process_iter(["pid"]) if _pgid(p.pid) == pgid]
+    """Live (not zombie: a killed child not yet reaped by init runs nothing) processes of group `pgid`."""
+    return [
+        p.pid
+        for p in psutil.process_iter(["pid", "status"])
+        if _pgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE
+    ]
 
 
 def shim_processes() -> list[int]:
