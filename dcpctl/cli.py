@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from dcpctl import bench_cmd, demo_cmd, eval_cmd, model_cmd, plan_cmd, run_cmd
+from dcpctl import bench_cmd, demo_cmd, eval_cmd, export_cmd, model_cmd, plan_cmd, run_cmd
 from engine.errors import UserError
 
 app = typer.Typer(
@@ -17,6 +17,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+plan_cmd.app.command("export")(export_cmd.export)
+plan_cmd.app.command("import")(export_cmd.import_plan)
 app.add_typer(plan_cmd.app, name="plan")
 app.add_typer(model_cmd.app, name="model")
 app.command("run")(run_cmd.run)

@@ -48,6 +48,14 @@ def run(
     if role not in ROLES:
         raise typer.BadParameter(f"--role must be one of {', '.join(ROLES)}")
     resolved = runnable_plan(plans[0], overrides)
+    if resolved.plan.engine.name != "dcpctl":
+        from engine.errors import UserError
+
+        raise UserError(
+            f"plan {resolved.name} names engine.name={resolved.plan.engine.name}, which `dcpctl eval` and "
+            f"`dcpctl bench` launch; `dcpctl run` serves with dcpctl's engine: run `dcpctl plan export {plans[0]} "
+            "--to vllm` and start that command, or set engine.name=dcpctl"
+        )
     prompts = list(prompt or []) + (read_prompts(prompts_file) if prompts_file else [])
     if not prompts:
         return serve(resolved, overrides, role)

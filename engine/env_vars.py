@@ -30,6 +30,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "evals.tasks",
     ),
     EnvVar(
+        "DCPCTL_VLLM_PYTHON",
+        "the interpreter of the `vllm` on PATH",
+        "The python of a venv with vLLM: `dcpctl plan export --to vllm` checks its command against that vLLM, and a "
+        "plan with `engine.name: vllm` (and no `engine.python`) is served by it in `dcpctl eval` and `dcpctl bench`.",
+        "engine.peers.vllm_check",
+    ),
+    EnvVar(
         "DCPCTL_COLLECTIVE_TIMEOUT",
         "300",
         "Seconds a collective between computing ranks may wait before the run fails (a positive number).",

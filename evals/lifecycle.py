@@ -102,7 +102,10 @@ class Launched:
     ) -> None:
         assert target.resolved is not None, "a URL target is not launched"
         self.world_size = target.resolved.world_size
-        self.server = PlanServer(
+        server_class = PlanServer
+        if target.resolved.plan.engine.name == "vllm":
+            from engine.peers.vllm_server import VllmServer as server_class
+        self.server = server_class(
             target.spec,
             overrides,
             host=target.resolved.plan.serve.host,

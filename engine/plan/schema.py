@@ -19,6 +19,7 @@ DIST_BACKENDS = ("auto", "gloo", "nccl")
 CPU_COMMS = ("auto", "shm", "gloo")
 
 CONNECTORS = ("nixl",)
+SERVING_ENGINES = ("dcpctl", "vllm")
 FAILURE_POLICIES = ("fail", "recompute")
 
 # vLLM's names, accepted as aliases.
@@ -150,6 +151,15 @@ class SpeculativeSection:
     disable_by_batch_size: int | None = None  # no proposals while more sequences than this run (unset: always)
 
 
+@dataclass
+class EngineSection:
+    """Which engine `dcpctl eval` and `dcpctl bench` serve the plan with (`dcpctl plan export --to vllm`'s flags)."""
+
+    name: str = "dcpctl"  # dcpctl | vllm (launches `vllm serve` with the exported flags; the layout must run there)
+    python: str | None = None  # vllm: the python of the venv with vLLM; unset: $DCPCTL_VLLM_PYTHON, else `vllm` on PATH
+    startup_timeout_s: float | None = None  # vllm: seconds to wait for health (vLLM-CPU: 100-220); unset: the command's
+
+
 # its keys are those of vLLM's --speculative-config JSON
 VLLM_FLAGS.update(
     {f"speculative_config.{f.name}": f"--speculative-config (its {f.name})" for f in fields(SpeculativeSection)}
@@ -170,3 +180,4 @@ class Plan:
     serve: ServeSection = field(default_factory=ServeSection)
     disagg: DisaggSection = field(default_factory=DisaggSection)
     speculative_config: SpeculativeSection = field(default_factory=SpeculativeSection)
+    engine: EngineSection = field(default_factory=EngineSection)

