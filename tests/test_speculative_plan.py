@@ -243,3 +243,30 @@ def test_bad_draft_is_one_error_with_a_fix(make_plan, tiny_models, tmp_path, dra
         folder = tiny_models("llama", seed=1, **draft)
     report = draft_check(make_plan, target, folder, fields)
     assert [(e.field, e.message) for e in report.problems.errors] == [(field, message.replace("DRAFT", str(folder)))]
+
+
+def test_plan_show_and_json_account_for_the_draft(make_plan, tiny_models):
+    """`plan show` says where the draft runs and what its weights and KV cost rank 0; `--json` carries the bytes."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from dcpctl.cli import app
+
+    target, draft = tiny_models("llama"), tiny_models("llama", seed=1, num_layers=1)
+    plan = make_plan(
+        f"model: {{path: {target}}}\nlaunch: {{device: cpu}}\ncache: {{block_size: 16, memory: 2MiB}}\n"
+        f"speculative_config: {{model: {draft}, num_speculative_tokens: 2}}\n"
+    )
+    shown = CliRunner().invoke(app, ["plan", "show", str(plan)], env={"COLUMNS": "400"})
+    assert shown.exit_code == 0, shown.output
+    # draft: 102,592 parameters x 4 B; KV 256 B/token x 16 tokens per block x 170 blocks (2 MiB / (8 KiB + 4 KiB))
+    blocks = 2**21 // (512 * 16 + 256 * 16)
+    assert (
+        f"draft model {draft} (1 layers): unsharded on rank 0, weights 400.8 KiB + KV 680.0 KiB = {blocks} blocks x "
+        "16 tokens x 256 B/token (rank 0's KV budget holds both caches)"
+    ) in " ".join(shown.output.split())
+    listed = CliRunner().invoke(app, ["plan", "validate", "--json", str(plan)])
+    data = json.loads(listed.output)[0]
+    assert data["kv_cache"]["draft_bytes_rank0"] == blocks * 256 * 16
+    assert data["speculative"] == {"num_speculative_tokens": 2, "draft_model": str(draft), "draft_params": 102592}

@@ -26,6 +26,7 @@ class DraftModel:
 
     path: Path
     info: ModelInfo
+    num_params: int  # parameters in its safetensors (tied weights once): its weights on rank 0 at the plan's dtype
 
 
 @dataclass(frozen=True)

@@ -163,9 +163,10 @@ def _check_draft(problems: PlanProblems, s: SpeculativeSection, res: ResolvedPla
     except UserError as exc:
         problems.error(key, f"{key}: {exc}")
         return None
+    draft_params = weight_elements(path)
     target = res.model
     if target is None:  # the target's folder is absent (a note): nothing to compare the draft with
-        return DraftModel(path, info)
+        return DraftModel(path, info, draft_params)
     if info.vocab_size != target.vocab_size:
         problems.error(
             key,
@@ -176,7 +177,7 @@ def _check_draft(problems: PlanProblems, s: SpeculativeSection, res: ResolvedPla
     if path.resolve() != res.model_path.resolve() and _tokenizer_vocab(path) != _tokenizer_vocab(res.model_path):
         problems.error(key, f"{key}: the draft's tokenizer ({path}) differs from the target's; {SAME_TOKENIZER}")
         return None
-    draft_params, target_params = weight_elements(path), weight_elements(res.model_path)
+    target_params = weight_elements(res.model_path)
     if draft_params > target_params:
         problems.error(
             key,
@@ -192,7 +193,7 @@ def _check_draft(problems: PlanProblems, s: SpeculativeSection, res: ResolvedPla
             f"{info.max_position_embeddings}",
         )
         return None
-    return DraftModel(path, info)
+    return DraftModel(path, info, draft_params)
 
 
 def _tokenizer_vocab(folder: Path) -> object:
