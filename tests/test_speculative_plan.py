@@ -246,7 +246,8 @@ def test_bad_draft_is_one_error_with_a_fix(make_plan, tiny_models, tmp_path, dra
 
 
 def test_plan_show_and_json_account_for_the_draft(make_plan, tiny_models):
-    """`plan show` says where the draft runs and what its weights and KV cost rank 0; `--json` carries the bytes."""
+    """`plan show` says where the draft runs and what its weights and KV cost rank 0, `plan validate`'s table adds
+    them to rank 0's cells, and `--json` carries the bytes."""
     import json
 
     from typer.testing import CliRunner
@@ -266,6 +267,8 @@ def test_plan_show_and_json_account_for_the_draft(make_plan, tiny_models):
         f"draft model {draft} (1 layers): unsharded on rank 0, weights 400.8 KiB + KV 680.0 KiB = {blocks} blocks x "
         "16 tokens x 256 B/token (rank 0's KV budget holds both caches)"
     ) in " ".join(shown.output.split())
+    table = CliRunner().invoke(app, ["plan", "validate", str(plan)], env={"COLUMNS": "400"}).output
+    assert "+ draft 400.8 KiB on rank 0" in table and f"{blocks * 16} tok + draft 680.0 KiB on rank 0" in table
     listed = CliRunner().invoke(app, ["plan", "validate", "--json", str(plan)])
     data = json.loads(listed.output)[0]
     assert data["kv_cache"]["draft_bytes_rank0"] == blocks * 256 * 16
