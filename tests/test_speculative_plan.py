@@ -165,8 +165,9 @@ def test_draft_model_resolves_and_takes_its_kv_from_the_budget(make_plan, tiny_m
 
 def test_the_target_itself_is_a_legal_draft(make_plan, tiny_models):
     target = tiny_models("llama")
-    report = draft_check(make_plan, target, target)
+    report = draft_check(make_plan, target, target, "num_speculative_tokens: 3, draft_tensor_parallel_size: 1")
     assert report.valid, messages(report)
+    assert report.resolved.speculative.draft.path == target
 
 
 def _retokenized(src, dst):
