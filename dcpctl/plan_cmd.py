@@ -18,6 +18,7 @@ from dcpctl.pd_suggest_view import pd_to_dict, render_pd
 from dcpctl.render import render_validation
 from dcpctl.suggest_view import render_suggestion, suggestion_to_dict
 from engine import dcp
+from engine.checkpoints.model_info import dtype_bytes
 from engine.dcp import DcpSpec
 from engine.errors import UserError
 from engine.io_utils import writable_file
@@ -77,6 +78,14 @@ def check_to_dict(check: PlanCheck) -> dict:
             "tokens_per_rank": res.kv.tokens_per_rank,
             "token_capacity": res.kv.token_capacity,
             "bytes_per_token_per_rank": res.kv.bytes_per_token,
+            "draft_bytes_rank0": res.kv.draft_bytes,
+        }
+    spec = res.speculative
+    if spec is not None:
+        data["speculative"] = {
+            "num_speculative_tokens": spec.num_speculative_tokens,
+            "draft_model": str(spec.draft.path) if spec.draft is not None else None,
+            "draft_params": spec.draft.num_params if spec.draft is not None else None,
         }
     placed = placement_view.resolved_placement(res)
     if placed is not None:
@@ -253,6 +262,8 @@ def _render_show(console: Console, res: ResolvedPlan, positions: int) -> None:
             f"{kv.block_size} tokens x {kv.bytes_per_token} B/token; holds {kv.tokens_per_rank} tokens "
             f"per rank, {kv.token_capacity} tokens of sequences across dcp={kv.dcp}"
         )
+    if res.speculative is not None and res.speculative.draft is not None:
+        console.print(_draft_line(res))
     console.print(
         f"ownership of positions 0..{positions - 1} by DCP rank (interleave {p.interleave}, "
         f"block {c.block_size}, virtual block = {dcp.tokens_per_virtual_block(c.block_size, p.dcp)} tokens):"
@@ -260,6 +271,23 @@ def _render_show(console: Console, res: ResolvedPlan, positions: int) -> None:
     console.print(ownership_picture(positions, c.block_size, p.interleave, p.dcp))
     if res.disagg is not None:
         _render_handoff(console, res, positions)
+
+
+def _draft_line(res: ResolvedPlan) -> str:
+    """Where the draft model runs and what it costs rank 0 (its weights at the plan's dtype, its KV cache)."""
+    draft, kv = res.speculative.draft, res.kv
+    try:
+        weights = format_bytes(draft.num_params * dtype_bytes(res.dtype))
+    except UserError:  # model.dtype is invalid: the check reports it
+        weights = "?"
+    line = f"draft model {draft.path} ({draft.info.num_layers} layers): unsharded on rank 0, weights {weights}"
+    if kv is None:
+        return line
+    span = kv.block_size * kv.dcp
+    return (
+        f"{line} + KV {format_bytes(kv.draft_bytes)} = {kv.num_blocks} blocks x {span} tokens x "
+        f"{kv.draft_bytes_per_block // span} B/token (rank 0's KV budget holds both caches)"
+    )
 
 
 MAX_POSITIONS = 65536  # the picture is a character per position

@@ -36,12 +36,18 @@ def make_console() -> Console:
 def _kv_cell(resolved: ResolvedPlan | None) -> str:
     if resolved is None or resolved.kv is None:
         return "-"
-    return f"{format_bytes(resolved.kv.bytes_per_rank)} / {resolved.kv.tokens_per_rank} tok"
+    kv = resolved.kv
+    draft = f" + draft {format_bytes(kv.draft_bytes)} on rank 0" if kv.draft_bytes else ""
+    return f"{format_bytes(kv.bytes_per_rank)} / {kv.tokens_per_rank} tok{draft}"
 
 
 def _weights_cell(resolved: ResolvedPlan | None) -> str:
     placed = resolved_placement(resolved)
-    return weights_cell(*placed) if placed is not None else "-"
+    if placed is None:
+        return "-"
+    spec = resolved.speculative
+    draft = f" + draft {format_bytes(spec.draft.num_params * placed[1])} on rank 0" if spec and spec.draft else ""
+    return weights_cell(*placed) + draft
 
 
 def _dense_cell(resolved: ResolvedPlan | None) -> str:

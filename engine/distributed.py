@@ -11,9 +11,11 @@ broadcasts) on CUDA; with `launch.cpu_comm` resolved to shm, a shared-memory seg
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -135,10 +137,10 @@ def set_parallel(context: ParallelContext) -> None:
     _CONTEXT = context
 
 
-def init_single(placement: DensePlacement, device: torch.device) -> ParallelContext:
-    """Context for a one-rank world: no process group at all."""
+def single_context(placement: DensePlacement, device: torch.device) -> ParallelContext:
+    """Context for a one-rank world (no process group at all), not made current."""
     layout = placement.layout
-    context = ParallelContext(
+    return ParallelContext(
         layout=layout,
         rank=0,
         local_rank=0,
@@ -147,8 +149,25 @@ def init_single(placement: DensePlacement, device: torch.device) -> ParallelCont
         placement=placement.rank(0),
         comm_backend=placement.comm_backend,
     )
+
+
+def init_single(placement: DensePlacement, device: torch.device) -> ParallelContext:
+    """Context for a one-rank world, made current."""
+    context = single_context(placement, device)
     set_parallel(context)
     return context
+
+
+@contextlib.contextmanager
+def using_parallel(context: ParallelContext) -> Iterator[None]:
+    """Make `context` current while a model is built under it (a draft model of one rank inside a rank of a larger
+    world): layers take their shards and groups when built, so the previous context is back afterwards."""
+    previous = _CONTEXT
+    set_parallel(context)
+    try:
+        yield
+    finally:
+        set_parallel(previous)
 
 
 def _groups(layout_groups: list[list[int]], rank: int, backend: str, timeout: datetime.timedelta):

@@ -111,3 +111,39 @@ def echo_models(tiny_models, tmp_path_factory):
         return made[key]
 
     return _get
+
+
+DRAFT_NOISE = 0.05  # of each matrix's std: a draft whose greedy proposals are right about a fifth of the time
+
+
+@pytest.fixture(scope="session")
+def noisy_drafts(tiny_models, tmp_path_factory):
+    """Draft checkpoints for speculative decoding (method draft_model): noisy_drafts(arch, **sizes) -> a copy of
+    tiny_models(arch, **sizes) with every matrix perturbed by seeded noise of DRAFT_NOISE x its std.
+
+    The target's tokenizer and size; its proposals are often wrong (a random model of another seed is always wrong,
+    and one as close as the target always right): verifications accept all, some and none of them.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("drafts")
+    made: dict[tuple, Path] = {}
+
+    def _get(arch: str, **sizes) -> Path:
+        key = (arch, tuple(sorted(sizes.items())))
+        if key not in made:
+            src = tiny_models(arch, **sizes)
+            dst = root / src.name
+            shutil.copytree(src, dst)
+            weights = load_file(dst / "model.safetensors")
+            g = torch.Generator().manual_seed(1)
+            for name in sorted(weights):
+                tensor = weights[name]
+                if tensor.dim() > 1:
+                    weights[name] = tensor + DRAFT_NOISE * tensor.std() * torch.randn(tensor.shape, generator=g)
+            save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+            made[key] = dst
+        return made[key]
+
+    return _get

@@ -192,8 +192,8 @@ class VerifySpy:
         real_verify, real_step = engine_module.verify, engine_module.LLMEngine._verify
         current: list = []
 
-        def verify_spy(logits, draft, params, generator):
-            tokens = real_verify(logits, draft, params, generator)
+        def verify_spy(logits, draft, params, generator, draft_probs=None):
+            tokens = real_verify(logits, draft, params, generator, draft_probs)
             self.calls.append((len(draft), len(tokens) - 1))
             seq = current[-1]
             self.yielded.append((seq.request_id, seq.num_output_tokens, tokens))
@@ -246,16 +246,17 @@ def test_greedy_equals_plain_and_hf(tmp_path, echo_models, monkeypatch, arch):
     assert stats["steps"] < plain_stats["steps"]  # several tokens per verification
 
 
-def _kv_of_computed(llm, seq) -> torch.Tensor:
-    """The cached K (and V) of the sequence's computed positions, every layer (one rank: slot = block * B + offset)."""
+def kv_of_positions(runner, block_table: list[int], num_positions: int) -> torch.Tensor:
+    """The cached K (and V) of a sequence's first positions in a one-rank runner's cache, every layer (slot = block *
+    B + offset)."""
     from engine import dcp
     from engine.layers.attention import PagedAttention
 
-    c = llm.engine.runner.cache_layout
-    slots = [dcp.slot(p, 0, seq.block_table, c.block_size, c.interleave, 1) for p in range(seq.num_computed_tokens)]
+    c = runner.cache_layout
+    slots = [dcp.slot(p, 0, block_table, c.block_size, c.interleave, 1) for p in range(num_positions)]
     blocks, offsets = torch.tensor(slots) // c.block_size, torch.tensor(slots) % c.block_size
     parts = []
-    for layer in llm.engine.runner.model.modules():
+    for layer in runner.model.modules():
         if isinstance(layer, PagedAttention):
             for cache in (layer.key_cache, layer.value_cache):
                 if cache is not None:
@@ -302,7 +303,12 @@ def test_rollback_leaves_the_state_of_the_plain_run(tmp_path, echo_models, arch)
         assert (p.num_computed_tokens, p.block_table) == (s.num_computed_tokens, s.block_table)
         assert _pool(p_blocks := plain.engine.blocks) == _pool(spec.engine.blocks)
         assert p_blocks.num_free_blocks == spec.engine.blocks.num_free_blocks
-        torch.testing.assert_close(_kv_of_computed(spec, s), _kv_of_computed(plain, p), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            kv_of_positions(spec.engine.runner, s.block_table, s.num_computed_tokens),
+            kv_of_positions(plain.engine.runner, p.block_table, p.num_computed_tokens),
+            rtol=1e-5,
+            atol=1e-5,
+        )
         while spec.engine.has_unfinished():
             spec.engine.step()
         while plain.engine.has_unfinished():
@@ -481,17 +487,25 @@ def test_bench_rows_count_only_the_measured_run():
     assert not any(r[0].startswith("speculation") for r in rows)
 
 
-def test_decode_side_of_a_hand_off_speculates_after_the_pull(tmp_path, echo_models):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_decode_side_of_a_hand_off_speculates_after_the_pull(tmp_path, echo_models, method):
     """P/D: the decode instance pulls the prompt's KV (NIXL, in one process) and then speculates on it: HF's tokens,
-    proposals accepted, every block back."""
+    proposals accepted, every block back. A draft model (here the target itself) has no KV of a pulled prompt: its
+    first pass prefills it."""
     from engine.core.startup import start_engine
     from engine.kv_transfer.handles import KVRole
     from engine.plan.checks import resolve_plan
     from tests.test_handoff_engine import hand_off, run_until_done
 
     folder = echo_models("llama")
+    speculation = NGRAM
+    if method == "draft_model":  # the budget also holds the draft's cache
+        speculation = {"speculative_config.model": str(folder), "speculative_config.num_speculative_tokens": 3}
+        speculation["cache.memory"] = "512KiB"
     prefill_plan = write_plan(tmp_path, folder, {"cache.block_size": 16}, name="prefill.yaml")
-    decode_plan = write_plan(tmp_path, folder, {"cache.block_size": 8, "cache.memory": "256KiB", **NGRAM}, "d.yaml")
+    decode_plan = write_plan(
+        tmp_path, folder, {"cache.block_size": 8, "cache.memory": "256KiB", **speculation}, "d.yaml"
+    )
     prefill = start_engine(resolve_plan(prefill_plan), kv_role=KVRole("prefill", lease_s=30))
     decode = start_engine(resolve_plan(decode_plan), kv_role=KVRole("decode", transfer_timeout_s=10))
     try:
@@ -505,7 +519,8 @@ def test_decode_side_of_a_hand_off_speculates_after_the_pull(tmp_path, echo_mode
             assert prefill.handoff.exports.release(transfer_id)
         stats = decode.stats()
         assert stats["kv_transfer"]["pulls"] == len(LENGTHS) and stats["kv_transfer"]["pulls_failed"] == 0
-        assert stats["speculative"]["proposed"] > stats["speculative"]["accepted"] > 0
+        proposed, accepted = stats["speculative"]["proposed"], stats["speculative"]["accepted"]
+        assert proposed > accepted > 0 if method == "ngram" else proposed == accepted > 0
         assert stats["used_blocks"] == 0
     finally:
         for engine in (prefill, decode):

@@ -73,3 +73,40 @@ def test_layout_speculates_exactly(tmp_path, echo_models, case):
     assert proposed > accepted > 0, (proposed, accepted)
     if "preempt" in case:
         assert any(r["num_preemptions"] for r in runs["spec"])
+
+
+DRAFT_CASES = {
+    "mla-tp1-dcp2-i4-replica": (MLA, {"parallel.dcp": 2, "parallel.interleave": 4}),
+    "mla-tp2-dcp2-i1-in-tp": (MLA, {"parallel.tp": 2, "parallel.dcp": 2}),
+    "gqa-tp1-dcp2-i1-replica": (KV2, {"parallel.dcp": 2}),
+    "gqa-tp2-dcp2-i16-in-tp": (KV1, {"parallel.tp": 2, "parallel.dcp": 2, "parallel.interleave": 16}),
+}
+
+
+@pytest.mark.parametrize("case", list(DRAFT_CASES))
+def test_layout_speculates_with_a_draft_model_exactly(tmp_path, tiny_models, noisy_drafts, case):
+    """method draft_model: the draft runs unsharded on rank 0 and its proposals travel in the step plan; with an
+    often-wrong draft and with the target as its own draft (every proposal accepted), the output is the plain
+    run's and HF's."""
+    (arch, sizes), settings = DRAFT_CASES[case]
+    folder = tiny_models(arch, **sizes)
+    prompts = prompt_ids(len(LENGTHS), LENGTHS, seed=5)
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
+    draft = {"speculative_config.method": "draft_model", "speculative_config.num_speculative_tokens": 3}
+    runs = {}
+    for name, extra in (
+        ("plain", {}),
+        ("noisy", {**draft, "speculative_config.model": str(noisy_drafts(arch, **sizes))}),
+        ("self", {**draft, "speculative_config.model": str(folder)}),
+    ):
+        plan = write_plan(tmp_path, folder, {**settings, **extra}, f"{name}.yaml")
+        runs[name], _ = dcpctl_run(plan, prompts_file, tmp_path / f"{name}.jsonl", tmp_path / name, NEW_TOKENS)
+    for i, ids in enumerate(prompts):
+        tokens, _ = hf_greedy(folder, ids, NEW_TOKENS)
+        got = [runs[name][i]["token_ids"] for name in ("plain", "noisy", "self")]
+        assert got == [tokens] * 3, f"{case}: prompt of {len(ids)} tokens diverged"
+    noisy = [sum(r["speculative"][k] for r in runs["noisy"]) for k in ("proposed", "accepted")]
+    assert noisy[0] > noisy[1] > 0, noisy
+    own = [sum(r["speculative"][k] for r in runs["self"]) for k in ("proposed", "accepted")]
+    assert own[0] == own[1] > 0, own

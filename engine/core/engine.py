@@ -101,6 +101,11 @@ class LLMEngine:
         self.blocks = BlockManager(cache.num_blocks, cache.block_size, par.dcp_size, config.prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.blocks, config.kv_role, config.speculative)
         self.handoff = Handoff.for_role(config, par, self.blocks, prefill_ranks)
+        self.drafter = None  # draft_model speculation: the draft model, run here on rank 0 (engine.core.drafter)
+        if config.speculative is not None and config.speculative.draft is not None:
+            from engine.core.drafter import Drafter
+
+            self.drafter = Drafter(config, par, cache.num_blocks, self.blocks.span)
         self.requests: dict[str, Sequence] = {}
         self.generators: dict[int, torch.Generator] = {}
         self.counters = EngineCounters()
@@ -148,6 +153,8 @@ class LLMEngine:
         seq.export, seq.remote = export, remote
         if self.config.speculative is not None:
             seq.spec = SpecCounters()
+        if self.drafter is not None:
+            seq.draft_cached = 0
         if params.seed is not None:
             self.generators[seq.seq_id] = torch.Generator(device=self.par.device).manual_seed(params.seed)
         self.requests[request_id] = seq
@@ -210,6 +217,8 @@ class LLMEngine:
         failed = self.scheduler.take_failed()
         if not scheduled.chunks:
             return failed
+        if self.drafter is not None:
+            self.drafter.propose(scheduled, seqs, self.generators)
         broadcast_object(scheduled, self.par.control_group)
         self.handoff.step_started()
         reports = self.runner.receive(scheduled)
@@ -294,8 +303,9 @@ class LLMEngine:
         """Accept a prefix of the chunk's proposals plus one token (`sampler.verify`), one token at a time as a
         decode would (stops, max_tokens and EOS can end it inside the run), then roll back the rest."""
         draft = chunk.token_ids[-chunk.num_draft :]
+        draft_probs = self.drafter.take(seq.seq_id) if self.drafter is not None else None
         try:
-            tokens = verify(logits, draft, seq.params, self.generators.get(seq.seq_id))
+            tokens = verify(logits, draft, seq.params, self.generators.get(seq.seq_id), draft_probs)
         except Exception as exc:
             self._fail(seq, "sampling", exc)
             return

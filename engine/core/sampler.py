@@ -71,17 +71,32 @@ def sample(
     return tokens.masked_fill(no_distribution & ~torch.tensor(greedy_rows, device=device), INVALID)
 
 
+def distribution(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, list[bool]]:
+    """Each row's sampling distribution (temperature, top-k, top-p) in vocabulary order, normalised; and which rows
+    have none (NaN or infinite logits: their row is uniform over what top-k/top-p keep, not to be trusted)."""
+    sorted_probs, order, no_distribution = _sorted_distribution(logits, params)
+    # back in vocabulary order, and normalised (top-p leaves a row summing to less than 1)
+    probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
+    probs /= probs.sum(dim=-1, keepdim=True)
+    return probs, no_distribution.tolist()
+
+
 def verify(
-    logits: torch.Tensor, draft: list[int], params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor,
+    draft: list[int],
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    draft_probs: torch.Tensor | None = None,
 ) -> list[int]:
     """The tokens a speculative step yields: the accepted prefix of `draft` and one token of the model's own.
 
     `logits` [len(draft) + 1, V]: row i is the next-token distribution after the i-th proposal (row 0: after the
     token before them). Greedy: proposals are accepted while each is the argmax, then the argmax follows.
-    Sampled: rejection sampling (Leviathan et al. 2023) against the ngram draft, whose distribution is a point
-    mass on its proposal x: x is accepted with probability p(x) (p: the row's distribution after temperature,
-    top-k and top-p); on rejection the token is drawn from p with x removed, renormalised; after k acceptances
-    the bonus token is drawn from the last row. Each token is thereby distributed exactly as without
+    Sampled: rejection sampling (Leviathan et al. 2023). Proposal x was drawn from the draft's distribution q
+    (`draft_probs` [len(draft), V], vocabulary order; None: the ngram proposer's point mass on x, q(x) = 1); it is
+    accepted with probability min(1, p(x) / q(x)) (p: the row's distribution after temperature, top-k and top-p);
+    on rejection the token is drawn from max(p - q, 0), renormalised (a point mass: p with x removed); after all
+    are accepted the bonus token is drawn from the last row. Each token is thereby distributed exactly as without
     speculation. Draws use the request's generator (its seed) like `sample`. A row with no distribution ends the
     list with `INVALID`.
     """
@@ -91,20 +106,23 @@ def verify(
         while accepted < len(draft) and draft[accepted] == targets[accepted]:
             accepted += 1
         return [*draft[:accepted], targets[accepted]]
-    sorted_probs, order, no_distribution = _sorted_distribution(logits, [params] * logits.shape[0])
-    # back in vocabulary order, and normalised (top-p leaves a row summing to less than 1)
-    probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
-    probs /= probs.sum(dim=-1, keepdim=True)
-    invalid = no_distribution.tolist()
+    probs, invalid = distribution(logits, [params] * logits.shape[0])
     tokens: list[int] = []
     for row, proposal in enumerate(draft):
         if invalid[row]:
             return [*tokens, INVALID]
         p = probs[row]
-        residual = p.clone()
-        residual[proposal] = 0.0
-        # a residual of no mass: p is all on the proposal, up to rounding
-        if float(torch.rand(1, generator=generator, device=p.device)) < float(p[proposal]) or not residual.sum() > 0:
+        if draft_probs is None:
+            q_x = 1.0
+            residual = p.clone()
+            residual[proposal] = 0.0
+        else:
+            q = draft_probs[row]
+            q_x = float(q[proposal])
+            residual = (p - q).clamp_(min=0.0)
+        # accept with probability p(x) / q(x); a residual of no mass means p is q (up to rounding): accept
+        u = float(torch.rand(1, generator=generator, device=p.device))
+        if u * q_x < float(p[proposal]) or not residual.sum() > 0:
             tokens.append(proposal)
             continue
         return [*tokens, int(torch.multinomial(residual, 1, generator=generator)[0])]

@@ -9,9 +9,10 @@ On a P/D decode instance a waiting sequence whose prompt was computed by the pre
 pull: blocks for its whole prompt, a `KVPull` of the positions the prefix cache does not hold (all but the last),
 and a one-token chunk for the last position, which the ranks run once the pull is done.
 
-With speculative decoding a decoding sequence's chunk carries up to k ngram proposals after its last token (blocks
-for them taken only if free); the engine reports what it accepted (`computed`) and the blocks taken for rejected
-proposals go back (`rollback`), so the pool is as if they had never been proposed.
+With speculative decoding a decoding sequence's chunk carries up to k proposals after its last token (ngram's, or
+places for the draft model's, which the engine's drafter fills in; blocks for them taken only if free); the engine
+reports what it accepted (`computed`) and the blocks taken for rejected proposals go back (`rollback`), so the pool
+is as if they had never been proposed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 from engine.core.block_manager import BlockManager
 from engine.core.sequence import Sequence, SequenceStatus
-from engine.core.speculative import propose_ngram
+from engine.core.speculative import PENDING_PROPOSAL, propose_ngram
 from engine.kv_transfer.handles import LEASE_MARGIN_S, KVPull, KVRole
 from engine.plan.resolved import SpeculativeConfig
 from engine.runtime.step import ScheduledChunk, ScheduledStep
@@ -114,7 +115,10 @@ class Scheduler:
             seq.params.max_tokens - seq.num_output_tokens - 1,  # the step also yields a token of its own
             self.config.max_model_len - len(seq) - 1,
         )
-        draft = propose_ngram(seq.token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if spec.draft is not None:  # the draft model always proposes `room` tokens; they are drafted after scheduling
+            draft = [PENDING_PROPOSAL] * room
+        else:
+            draft = propose_ngram(seq.token_ids, room, spec.prompt_lookup_min, spec.prompt_lookup_max)
         if draft and not self.blocks.grow(seq, len(seq) + len(draft)):
             return []
         return draft

@@ -98,6 +98,7 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprob | None] = []
         self.num_preemptions = 0
         self.spec: SpecCounters | None = None  # speculative decoding's proposals and acceptances (None: off)
+        self.draft_cached: int | None = None  # draft_model: positions of valid draft KV from the start (None: none)
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

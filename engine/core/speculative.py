@@ -1,6 +1,7 @@
 """Speculative decoding on rank 0 (plain data, no torch): the ngram (prompt lookup) proposer and the counters.
 
-A running sequence with one token left to compute gets up to k proposals appended to its decode chunk; the ranks
+A running sequence with one token left to compute gets up to k proposals appended to its decode chunk (with a draft
+model, `PENDING_PROPOSAL` places that `engine.core.drafter` fills in before the step is sent); the ranks
 run the k + 1 tokens as one multi-token chunk through the ordinary paged path (cached context + new tokens, on
 every layout), and the engine accepts a prefix of the proposals plus one token of its own (`engine.core.sampler.
 verify`). The scheduler rolls back what the rejected proposals took (`Scheduler.accept`).
@@ -9,6 +10,8 @@ verify`). The scheduler rolls back what the rejected proposals took (`Scheduler.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+PENDING_PROPOSAL = -1  # a proposal the draft model has yet to make (the scheduler sizes the step, the drafter fills it)
 
 
 def propose_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:

@@ -38,13 +38,16 @@ def _set_threads(config: EngineConfig) -> None:
 
 
 def _num_blocks(config: EngineConfig, par: ParallelContext) -> int:
-    """KV blocks per rank: the plan's count, else what the GPU's free memory buys (the least over all ranks)."""
+    """KV blocks per rank: the plan's count, else what the GPU's free memory buys (the least over all ranks; rank 0
+    also holds a draft model's cache)."""
     if config.num_blocks is not None:
         return config.num_blocks
     free, _ = torch.cuda.mem_get_info(par.device)
     budget = int(free * config.kv_memory_fraction)
+    spec = config.speculative
+    draft = spec.draft.info if spec is not None and spec.draft is not None and par.is_driver else None
     sizing = kv_sizing(
-        config.model, par.tp_size, par.dcp_size, config.block_size, dtype_bytes(config.cache_dtype), budget
+        config.model, par.tp_size, par.dcp_size, config.block_size, dtype_bytes(config.cache_dtype), budget, draft
     )
     blocks = torch.tensor([sizing.num_blocks], device=par.device)
     if torch.distributed.is_initialized():

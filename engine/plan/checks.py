@@ -50,7 +50,7 @@ def check_plan(
         check_model(problems, res, info, dense_set="parallel.dense" in loaded.origins)
     resolve_dtypes(res)
     check_fields(problems, res)
-    res.speculative = check_speculative(problems, plan.speculative_config)
+    res.speculative = check_speculative(problems, plan.speculative_config, res)
     resolve_backend(problems, res)
     resolve_cpu_paths(problems, res)
     resolve_cpu_comm(problems, res)

@@ -64,10 +64,22 @@ class KVSizing:
     block_size: int
     dcp: int
     num_blocks: int
+    draft_bytes_per_block: int = 0  # rank 0 only: a draft model's KV for one virtual block (speculative_config)
 
     @property
     def bytes_per_rank(self) -> int:
+        """The target model's KV cache on each rank."""
         return self.num_blocks * self.block_size * self.bytes_per_token
+
+    @property
+    def draft_bytes(self) -> int:
+        """The draft model's KV cache (rank 0 only; 0 without one)."""
+        return self.num_blocks * self.draft_bytes_per_block
+
+    @property
+    def bytes_on_rank0(self) -> int:
+        """Rank 0's KV: the target's share and the draft's, both within the per-rank budget."""
+        return self.bytes_per_rank + self.draft_bytes
 
     @property
     def tokens_per_rank(self) -> int:
@@ -79,12 +91,26 @@ class KVSizing:
         return self.tokens_per_rank * self.dcp
 
 
-def kv_sizing(info: ModelInfo, tp: int, dcp: int, block_size: int, dtype_bytes: int, budget_bytes: int) -> KVSizing:
-    """Blocks that fit in `budget_bytes` on one rank for this model and layout."""
+def kv_sizing(
+    info: ModelInfo,
+    tp: int,
+    dcp: int,
+    block_size: int,
+    dtype_bytes: int,
+    budget_bytes: int,
+    draft: ModelInfo | None = None,
+) -> KVSizing:
+    """Blocks that fit in `budget_bytes` on one rank for this model and layout.
+
+    `draft`: a draft model rank 0 runs unsharded beside the target (speculative_config). Its cache shares the
+    target's block ids, a whole virtual block (block_size x dcp tokens) each, so every block costs rank 0 that much
+    more and all ranks allocate the count rank 0 affords."""
     per_token = info.kv_bytes_per_token(tp, dtype_bytes)
+    draft_per_block = draft.kv_bytes_per_token(1, dtype_bytes) * block_size * dcp if draft is not None else 0
     return KVSizing(
         bytes_per_token=per_token,
         block_size=block_size,
         dcp=dcp,
-        num_blocks=max(0, budget_bytes // (per_token * block_size)),
+        num_blocks=max(0, budget_bytes // (per_token * block_size + draft_per_block)),
+        draft_bytes_per_block=draft_per_block,
     )

@@ -89,11 +89,20 @@ def check_kv(problems: PlanProblems, res: ResolvedPlan, info: ModelInfo) -> None
         elem = dtype_bytes(res.cache_dtype)
     except UserError:
         return
-    kv = kv_sizing(info, plan.parallel.tp, plan.parallel.dcp, plan.cache.block_size, elem, res.kv_budget_bytes)
+    draft = res.speculative.draft if res.speculative is not None else None
+    kv = kv_sizing(
+        info,
+        plan.parallel.tp,
+        plan.parallel.dcp,
+        plan.cache.block_size,
+        elem,
+        res.kv_budget_bytes,
+        draft.info if draft is not None else None,
+    )
     res.kv = kv
     need = res.max_model_len or 0
     if kv.token_capacity < need:
-        budget = replace(kv, num_blocks=dcp.blocks_needed(need, kv.block_size, kv.dcp)).bytes_per_rank
+        budget = replace(kv, num_blocks=dcp.blocks_needed(need, kv.block_size, kv.dcp)).bytes_on_rank0
         problems.error(
             "cache.memory",
             f"cache.memory={plan.cache.memory} holds {kv.token_capacity} tokens "

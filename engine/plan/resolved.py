@@ -21,13 +21,23 @@ from engine.plan.schema import DisaggSection, Plan
 
 
 @dataclass(frozen=True)
+class DraftModel:
+    """speculative_config.model resolved: the draft checkpoint rank 0 runs unsharded beside the target."""
+
+    path: Path
+    info: ModelInfo
+    num_params: int  # parameters in its safetensors (tied weights once): its weights on rank 0 at the plan's dtype
+
+
+@dataclass(frozen=True)
 class SpeculativeConfig:
-    """The plan's speculative_config, resolved (method ngram)."""
+    """The plan's speculative_config, resolved (method ngram, or draft_model when `draft` is set)."""
 
     num_speculative_tokens: int  # k: proposals per step
-    prompt_lookup_min: int  # shortest suffix n-gram looked up
-    prompt_lookup_max: int  # longest suffix n-gram looked up
+    prompt_lookup_min: int  # ngram: shortest suffix n-gram looked up (0 with a draft model)
+    prompt_lookup_max: int  # ngram: longest suffix n-gram looked up (0 with a draft model)
     disable_by_batch_size: int | None = None  # no proposals while more sequences than this run
+    draft: DraftModel | None = None  # method draft_model: the draft checkpoint (None: ngram)
 
 
 @dataclass

@@ -143,11 +143,12 @@ class DisaggSection:
 class SpeculativeSection:
     """Speculative decoding, with vLLM's `--speculative-config` names; unset `method`: off."""
 
-    method: str | None = None  # ngram (prompt lookup: proposals copied from earlier in the sequence)
+    method: str | None = None  # ngram (prompt lookup: proposals copied from earlier) or draft_model (a small model)
     num_speculative_tokens: int | None = None  # tokens proposed per step and verified in one forward (k)
     prompt_lookup_min: int | None = None  # ngram: shortest suffix n-gram to look up (default: prompt_lookup_max)
     prompt_lookup_max: int | None = None  # ngram: longest suffix n-gram to look up (default: prompt_lookup_min, or 5)
-    model: str | None = None  # draft_model: the draft checkpoint (not supported yet)
+    model: str | None = None  # draft_model: the draft checkpoint folder or alias (the target's tokenizer, smaller)
+    draft_tensor_parallel_size: int | None = None  # draft_model: 1 or unset (the draft runs unsharded on rank 0)
     disable_by_batch_size: int | None = None  # no proposals while more sequences than this run (unset: always)
 
 

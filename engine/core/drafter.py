@@ -1,0 +1,126 @@
+"""Speculative decoding's draft model (method draft_model) on rank 0: a second, smaller checkpoint of the target's
+tokenizer, run by the engine's own model code with its own paged KV cache.
+
+Where it runs, and why: unsharded (a world of one: tp 1, dcp 1) on the driver rank only. Rank 0 is where proposals
+are wanted (the scheduler and the verifier live there); a draft small enough to pay for itself gains nothing from
+sharding that would not be lost to a collective per draft token; and the other ranks receive its proposals inside
+the step plan, as they receive ngram's. Its cache uses the target's block ids: draft block b holds the draft's KV of
+the positions the target's virtual block b covers (block_size x dcp tokens), so the block manager's allocation,
+prefix cache, preemption and rollback govern both caches at once.
+
+Each step, before it is sent: pass 1 runs, for every chunk of the step, the tokens the draft has not cached up to
+the chunk's last known token (a prompt chunk: the chunk itself; a decode: its token, plus one more after a
+verification accepted every proposal), and takes the logits of each verifying chunk's last known token: its first
+proposal. Passes 2..k feed each proposal back (one-token decodes) for the next. `Sequence.draft_cached` counts the
+positions of valid draft KV from the start; where it runs past the target's computed tokens (rejected proposals),
+the next pass 1 starts at the target's count and overwrites them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.registry import create_backend
+from engine.core.config import EngineConfig
+from engine.core.sampler import distribution, greedy
+from engine.core.sequence import Sequence
+from engine.distributed import ParallelContext, single_context, using_parallel
+from engine.parallel_layout import ParallelLayout
+from engine.placement.split import DensePlacement
+from engine.runtime.model_runner import TORCH_DTYPES, CacheLayout, ModelRunner
+from engine.runtime.step import ScheduledChunk, ScheduledStep
+
+
+class Drafter:
+    """The draft model's runner on rank 0 and the proposals of the current step (with their distributions)."""
+
+    def __init__(self, config: EngineConfig, par: ParallelContext, num_blocks: int, span: int):
+        from transformers import AutoConfig
+
+        draft = config.speculative.draft
+        info = draft.info
+        layout = ParallelLayout.build(1, 1, info.num_heads, info.num_kv_heads, info.is_mla)
+        self.par = single_context(DensePlacement.build(layout, info), par.device)
+        with using_parallel(self.par):
+            self.runner = ModelRunner(
+                AutoConfig.from_pretrained(draft.path),
+                draft.path,
+                self.par,
+                TORCH_DTYPES[config.dtype],
+                create_backend(config.attention_backend),
+                config.max_model_len,
+            )
+        # one draft block per virtual block of the target (dcp 1: the block is its own interleave)
+        self.runner.allocate_cache(CacheLayout(num_blocks, span, span, TORCH_DTYPES[config.cache_dtype]))
+        self.probs: dict[int, torch.Tensor] = {}  # seq_id -> the draft's distributions of its proposals (sampled)
+
+    def propose(self, step: ScheduledStep, seqs: list[Sequence], generators: dict[int, torch.Generator]) -> None:
+        """Bring the draft's cache up to every chunk's known tokens and fill in each verifying chunk's proposals
+        (the scheduler leaves `num_draft` placeholders): greedy rows take the draft's argmax, sampled rows draw
+        from the draft's distribution under the request's parameters and generator (kept for `take`)."""
+        self.probs = {}
+        catch_up: list[ScheduledChunk] = []
+        verifying: list[tuple[Sequence, ScheduledChunk]] = []
+        for seq, chunk in zip(seqs, step.chunks, strict=True):
+            known = chunk.start + len(chunk.token_ids) - chunk.num_draft
+            start = min(seq.draft_cached, chunk.start)
+            catch_up.append(
+                ScheduledChunk(seq.seq_id, seq.token_ids[start:known], start, chunk.block_table, chunk.num_draft > 0)
+            )
+            seq.draft_cached = known
+            if chunk.num_draft:
+                verifying.append((seq, chunk))
+        # the runner takes multi-token chunks first; the verifying ones' logits come back in that order
+        catch_up.sort(key=ScheduledChunk.is_decode.fget)
+        logits = self._run(catch_up)
+        order = {c.seq_id: i for i, c in enumerate(c for c in catch_up if c.sample)}
+        logits = logits[[order[seq.seq_id] for seq, _ in verifying]] if verifying else logits
+        proposals: list[list[int]] = [[] for _ in verifying]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in verifying]
+        active = list(range(len(verifying)))
+        for j in range(max((c.num_draft for _, c in verifying), default=0)):
+            if j:
+                chunks = [verifying[i][1] for i in active]
+                logits = self._run(
+                    [
+                        ScheduledChunk(c.seq_id, [proposals[i][-1]], c.start + j, c.block_table, True)
+                        for i, c in zip(active, chunks, strict=True)
+                    ]
+                )
+            tokens = self._draw(logits, [verifying[i][0] for i in active], generators, [q_rows[i] for i in active])
+            for i, token in zip(active, tokens, strict=True):
+                proposals[i].append(token)
+            active = [i for i in active if verifying[i][1].num_draft > j + 1]
+        for (seq, chunk), drafted, q in zip(verifying, proposals, q_rows, strict=True):
+            chunk.token_ids[-chunk.num_draft :] = drafted
+            seq.draft_cached = chunk.start + chunk.num_draft  # the last proposal's KV is never written
+            if q:
+                self.probs[seq.seq_id] = torch.stack(q)
+
+    def take(self, seq_id: int) -> torch.Tensor | None:
+        """The draft's distributions [k, V] of a sampled sequence's proposals this step (None: greedy)."""
+        return self.probs.pop(seq_id, None)
+
+    def _run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """The draft's logits of the chunks' sampled rows (in chunk order), the KV of all their tokens written."""
+        result = self.runner.execute(ScheduledStep(chunks))
+        return result.logits if result is not None else torch.empty(0)
+
+    def _draw(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        generators: dict[int, torch.Generator],
+        q_rows: list[list[torch.Tensor]],
+    ) -> list[int]:
+        """One proposal per row: the argmax for greedy requests; for sampled ones a draw from the draft's
+        distribution (appended to the row's `q_rows`)."""
+        tokens = greedy(logits).tolist()
+        sampled = [n for n, seq in enumerate(seqs) if not seq.params.greedy]
+        if not sampled:
+            return tokens
+        probs, _ = distribution(logits[sampled], [seqs[n].params for n in sampled])
+        for row, n in enumerate(sampled):
+            tokens[n] = int(torch.multinomial(probs[row], 1, generator=generators.get(seqs[n].seq_id))[0])
+            q_rows[n].append(probs[row])
+        return tokens
