@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from engine.core.speculative import SpecCounters
 from evals.divergence import Divergence, Noise, explain, measure_noise, tie_margin
 from evals.results import EvalRun, Metric, SampleResult
 
@@ -57,6 +58,7 @@ class PlanColumn:
     generate_s: float | None
     generated_tokens: int | None
     tokens_per_s: float | None
+    speculation: SpecCounters | None  # speculative decoding during the eval (None: the target has none)
     mode: str
     n_shot: int | None
     version: str | None
@@ -105,6 +107,7 @@ class Comparison:
             raw["failed"] = col.failed
             raw["tie_flips"] = col.tie_flips
             raw["unexplained_divergences"] = len(col.unexplained)
+            raw["speculation"] = col.speculation.as_dict() if col.speculation else None
             if col.text_agreement is not None:
                 raw["text_agreement"]["fraction"] = col.text_agreement.fraction
             for filt, agr in col.answer_agreement.items():
@@ -229,6 +232,7 @@ def compare_runs(runs: list[EvalRun]) -> Comparison:
                 generate_s=run.generate_s,
                 generated_tokens=run.generated_tokens,
                 tokens_per_s=run.tokens_per_s,
+                speculation=run.speculation,
                 mode=run.mode,
                 n_shot=run.n_shot,
                 version=run.version,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.core.speculative import SpecCounters
 from engine.errors import UserError
 from engine.io_utils import atomic_write_text
 from engine.plan.loader import plan_to_dict
@@ -158,15 +159,17 @@ class _EvalProgress:
 def _run_lm_eval(
     served: Served, label: str, task: TaskSpec, opts: EvalOptions, raw_dir: Path | None, feed: TargetFeed
 ) -> EvalRun:
-    """lm-eval on the server; its answers and engine stats feed the target's progress meanwhile."""
+    """lm-eval on the server; its answers and engine stats feed the target's progress meanwhile, and the engine's
+    speculative counters before and after give the run's acceptance."""
     from evals.lm_eval_runner import run_gsm8k
 
     healthy = served.time_to_healthy_s
     prefix = f"healthy in {healthy:.1f} s; evaluating" if healthy is not None else "evaluating"
     feed.status(f"{prefix} {opts.questions}")
     progress = _EvalProgress(feed, served.base_url)
+    before = engine_stats(served.base_url).get("speculative")
     with StatsWatch(served.base_url, progress.stats):
-        return run_gsm8k(
+        run = run_gsm8k(
             served.base_url,
             None,
             task,
@@ -179,6 +182,10 @@ def _run_lm_eval(
             output_dir=raw_dir,
             on_answer=progress.answer,
         )
+    after = engine_stats(served.base_url).get("speculative")
+    if after is not None:  # the counters move only for this eval's requests: it is the server's one client
+        run.speculation = SpecCounters.since(before, after)
+    return run
 
 
 def evaluate_target(

@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from engine.io_utils import atomic_write_bytes, atomic_write_text
+from evals.bench.report import SPECULATION_CELLS
 from evals.compare import Agreement, Comparison, Disagreement, PlanColumn
 from evals.divergence import Divergence
 from evals.results import EvalRun
@@ -106,6 +107,11 @@ def comparison_grid(cmp: Comparison) -> tuple[list[str], list[list[str]], int]:
     )
     rows.append(["", "", "", "", "wall time (s)"] + [_num(c.wall_s, ".1f") for c in cmp.columns])
     rows.append(["", "", "", "", "generated tokens/s"] + [_num(c.tokens_per_s, ".1f") for c in cmp.columns])
+    if any(c.speculation is not None for c in cmp.columns):
+        counters = [None if c.speculation is None else c.speculation.as_dict() for c in cmp.columns]
+        for name, value, fmt in SPECULATION_CELLS:
+            cells = ["—" if s is None or value(s) is None else fmt(value(s)) for s in counters]
+            rows.append(["", "", "", "", name, *cells])
     return header, rows, n_acc
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from engine.core.speculative import SpecCounters
 from evals.traces import TokenTrace
 
 
@@ -55,6 +56,7 @@ class EvalRun:
     base_url: str | None = None
     model: str | None = None
     dtype: str | None = None  # the plan's resolved model dtype (None: an endpoint, unknown)
+    speculation: SpecCounters | None = None  # speculative decoding during the eval (None: the target has none)
     error: str | None = None
 
     @property
@@ -86,6 +88,7 @@ class EvalRun:
         if not with_samples:
             d.pop("samples")
         d["tokens_per_s"] = self.tokens_per_s
+        d["speculation"] = self.speculation.as_dict() if self.speculation else None
         return d
 
     @classmethod
@@ -93,6 +96,8 @@ class EvalRun:
         """Rebuild an EvalRun saved with `to_dict`."""
         d = dict(d)
         d.pop("tokens_per_s", None)
+        if d.get("speculation") is not None:
+            d["speculation"] = SpecCounters.since(None, d["speculation"])
         d["metrics"] = {k: Metric(**m) for k, m in d.get("metrics", {}).items()}
         d["samples"] = [
             SampleResult(**{**s, "trace": TokenTrace.from_dict(s["trace"]) if s.get("trace") else None})

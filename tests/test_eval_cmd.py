@@ -551,3 +551,42 @@ def test_tie_flip_and_wrong_plan_are_told_apart_and_strict_fails_on_the_wrong_on
     )
     assert code == 0, text
     assert text.count("reused") >= 2 and "unexplained divergence " not in text
+
+
+@pytest.mark.slow
+def test_a_speculating_target_reports_the_acceptance_of_its_eval_alone(tmp_path, echo_models):
+    """A plan without speculation (launched) against a running ngram server (a URL, already used by a warm-up
+    request): the same generations, and the server's acceptance counted over the eval's requests only, in the
+    table and the result files; the plan without speculation has none."""
+    folder = echo_models("llama", num_layers=1)
+    ngram = {
+        "speculative_config.method": "ngram",
+        "speculative_config.num_speculative_tokens": 4,
+        "speculative_config.prompt_lookup_min": 1,
+        "speculative_config.prompt_lookup_max": 3,
+    }
+    plain = write_plan(tmp_path, folder, name="plain.yaml")
+    spec = write_plan(tmp_path, folder, ngram, name="ngram.yaml")
+    data, out = str(write_gsm8k(tmp_path / "data")), tmp_path / "out"
+    warm_up = {"prompt": "one two one two one two", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    with PlanServer(spec, [], log_path=tmp_path / "server.log") as server, httpx.Client(trust_env=False) as http:
+        http.post(f"{server.base_url}/v1/completions", json=warm_up, timeout=60).raise_for_status()
+        before = http.get(f"{server.base_url}/v1/engine/stats").json()["speculative"]
+        assert before["proposed"] > 0
+        args = ["--data-dir", data, "--limit", "3", "--num-fewshot", "1", "--max-gen-toks", "48"]
+        code, text = invoke("gsm8k", "--compare", str(plain), server.base_url, *args, "--output", str(out))
+        after = http.get(f"{server.base_url}/v1/engine/stats").json()["speculative"]
+    assert code == 0, text
+    assert "speculation: proposals accepted" in text and "speculation: tokens per verification" in text
+    cmp = json.loads((out / "comparison.json").read_text())
+    base, col = cmp["columns"]
+    assert col["text_agreement"]["same"] == col["text_agreement"]["total"] == 3
+    assert base["speculation"] is None
+    measured = {k: after[k] - before[k] for k in ("proposed", "accepted", "verifications")}
+    assert {k: col["speculation"][k] for k in measured} == measured
+    assert measured["proposed"] > measured["accepted"] > 0
+    assert col["speculation"]["acceptance_rate"] == measured["accepted"] / measured["proposed"]
+    md = (out / "comparison.md").read_text()
+    assert f"| speculation: proposals accepted | — | {col['speculation']['acceptance_rate']:.0%} |" in md
+    saved = json.loads(next(out.glob("*127.0.0.1*/" + evaluate.RUN_FILE)).read_text())
+    assert saved["run"]["speculation"] == col["speculation"]

@@ -130,3 +130,37 @@ def test_every_target_failed_draws_without_a_matplotlib_warning() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert accuracy_png(cmp)[:4] == b"\x89PNG"
+
+
+def test_speculating_targets_show_their_acceptance_in_the_table_and_files(tmp_path: Path) -> None:
+    """A target that speculated gets "proposals accepted" and "tokens per verification" in the table, the markdown,
+    comparison.json and its run files (its saved run keeps the counters); a target that did not gets "—", and with
+    no speculating target the rows are left out."""
+    from engine.core.speculative import SpecCounters
+
+    counters = SpecCounters(proposed=40, accepted=30, verifications=20)
+    spec = _run("ngram4.yaml", ["#### 5", "#### 5", "#### 4"], speculation=counters)
+    cmp = compare_runs([_run("plain.yaml", ["#### 5", "#### 5", "#### 4"]), spec])
+    console = Console(record=True, width=250)
+    console.print(render_table(cmp))
+    lines = console.export_text().splitlines()
+    rate = next(line for line in lines if "speculation: proposals accepted" in line)
+    length = next(line for line in lines if "speculation: tokens per verification" in line)
+    assert [c.strip() for c in rate.split("│")[-3:-1]] == ["—", "75%"]
+    assert [c.strip() for c in length.split("│")[-3:-1]] == ["—", "2.50"]
+
+    out = tmp_path / "out"
+    write_report(cmp, out)
+    data = json.loads((out / "comparison.json").read_text())
+    assert data["columns"][0]["speculation"] is None
+    assert data["columns"][1]["speculation"] == counters.as_dict()
+    assert json.loads((out / "ngram4.yaml" / "run.json").read_text())["speculation"]["acceptance_rate"] == 0.75
+    md = (out / "comparison.md").read_text()
+    assert "| speculation: proposals accepted | — | 75% |" in md
+    assert "| speculation: tokens per verification | — | 2.50 |" in md
+    assert EvalRun.from_dict(spec.to_dict()) == spec
+
+    plain = compare_runs([_run("a.yaml", ["#### 5"]), _run("b.yaml", ["#### 5"])])
+    console = Console(record=True, width=250)
+    console.print(render_table(plain))
+    assert "speculation" not in console.export_text()

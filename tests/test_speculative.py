@@ -4,8 +4,6 @@ tests/test_speculative_layouts.py."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -418,34 +416,51 @@ def test_sampled_tokens_are_distributed_as_without_speculation(tmp_path, echo_mo
         assert chi_square_p_value(a, b) > 1e-3, f"output position {position}"
 
 
+def _finishing_counters(events: list) -> dict[int, dict]:
+    """Choice index -> the `speculative` entry of a stream's chunks; asserts each is on its choice's finishing chunk
+    (and only there), for that choice alone."""
+    found = {}
+    for event in events:
+        if event == "[DONE]" or not event["choices"]:
+            continue
+        (choice,) = event["choices"]
+        if choice["finish_reason"] is None:
+            assert "speculative" not in event, event
+            continue
+        (entry,) = event["speculative"]
+        assert entry["index"] == choice["index"] not in found
+        found[choice["index"]] = entry
+    return found
+
+
 def test_server_reports_speculation_per_request_and_in_stats(tmp_path, echo_models):
-    """Over HTTP: n > 1 and streaming speculate like offline generation; each choice's counters are in the response
-    and the engine's in /v1/engine/stats."""
-    from tests.test_server import serve
+    """Over HTTP: n > 1 and streaming speculate like offline generation; each choice's counters are in the response,
+    streamed or not (a stream's on each choice's finishing chunk), for completions and chat, and the engine's in
+    /v1/engine/stats."""
+    from tests.test_server import serve, sse_events
 
     folder = echo_models("llama")
     prompt = prompt_ids(1, [10], seed=5)[0]
     plan = write_plan(tmp_path, folder, NGRAM)
     with LLM(plan) as llm:
         (offline,) = llm.generate([prompt], greedy(24))
+    request = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+    chat = {
+        "model": "tiny-llama",
+        "messages": [{"role": "user", "content": "one two one two one two"}],
+        "max_tokens": 24,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     served = serve(plan)
     try:
         with served.http() as http:
-            body = http.post(
-                "/v1/completions",
-                json={
-                    "model": "tiny-llama",
-                    "prompt": prompt,
-                    "max_tokens": 24,
-                    "temperature": 0,
-                    "n": 2,
-                    "return_token_ids": True,
-                },
-            ).json()
-            streamed = http.post(
-                "/v1/completions",
-                json={"model": "tiny-llama", "prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True},
-            ).text
+            body = http.post("/v1/completions", json={**request, "n": 2, "return_token_ids": True}).json()
+            with http.stream("POST", "/v1/completions", json={**request, "n": 2, "stream": True}) as response:
+                streamed = sse_events(response.iter_lines())
+            chat_body = http.post("/v1/chat/completions", json=chat).json()
+            with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as response:
+                chat_streamed = sse_events(response.iter_lines())
             stats = served.wait_idle()
     finally:
         served.handle.stop()
@@ -453,12 +468,16 @@ def test_server_reports_speculation_per_request_and_in_stats(tmp_path, echo_mode
     assert [s["index"] for s in body["speculative"]] == [0, 1]
     assert body["speculative"][0] == {"index": 0, **offline.speculative.as_dict()}
     assert "".join(c["text"] for c in body["choices"][:1]) == offline.text
-    text = "".join(
-        json.loads(line[6:])["choices"][0]["text"] for line in streamed.splitlines() if line[6:].startswith("{")
-    )
-    assert text == offline.text
-    assert stats["speculative"]["proposed"] == 3 * offline.speculative.proposed
-    assert stats["speculative"]["accepted"] == 3 * offline.speculative.accepted > 0
+    texts = ["".join(e["choices"][0]["text"] for e in streamed[:-1] if e["choices"][0]["index"] == i) for i in (0, 1)]
+    assert texts == [offline.text] * 2
+    assert _finishing_counters(streamed) == {i: {"index": i, **offline.speculative.as_dict()} for i in (0, 1)}
+    (chat_counters,) = chat_body["speculative"]
+    assert chat_counters["accepted"] > 0
+    assert _finishing_counters(chat_streamed) == {0: chat_counters}
+    chat_text = "".join(e["choices"][0]["delta"].get("content", "") for e in chat_streamed[:-1])
+    assert chat_text == chat_body["choices"][0]["message"]["content"]
+    assert stats["speculative"]["proposed"] == 4 * offline.speculative.proposed + 2 * chat_counters["proposed"]
+    assert stats["speculative"]["accepted"] == 4 * offline.speculative.accepted + 2 * chat_counters["accepted"]
 
 
 def test_bench_rows_count_only_the_measured_run():

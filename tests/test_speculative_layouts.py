@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
+from engine import LLM, SamplingParams
+from engine.serving.plan_server import PlanServer
 from tests.oracle import LOGPROB_TOL, hf_greedy, prompt_ids, write_plan
 from tests.test_dcp_equivalence import dcpctl_run
+from tests.test_pd import assert_hf, complete_all, pd_plan, settled
+from tests.test_server import sse_events
 
 pytestmark = pytest.mark.multiproc
 
@@ -110,3 +115,48 @@ def test_layout_speculates_with_a_draft_model_exactly(tmp_path, tiny_models, noi
     assert noisy[0] > noisy[1] > 0, noisy
     own = [sum(r["speculative"][k] for r in runs["self"]) for k in ("proposed", "accepted")]
     assert own[0] == own[1] > 0, own
+
+
+PD_CASES = {
+    # a dcp-1 prefill side; the decode side adds a replica rank and holds whole blocks (interleave = block size)
+    "gqa-tp1-dcp1-to-tp1-dcp2-i16": (KV2, {"cache.block_size": 16}, {"parallel.dcp": 2, "parallel.interleave": 16}),
+    # MLA, decode side dcp 2 inside TP with interleave 1: every verified position alternates between the ranks
+    "mla-tp1-dcp1-to-tp2-dcp2-i1": (MLA, {"cache.block_size": 8}, {"parallel.tp": 2, "parallel.dcp": 2}),
+}
+
+
+@pytest.mark.parametrize("case", list(PD_CASES))
+def test_pd_pair_speculates_after_the_pull_exactly(tmp_path, echo_models, case):
+    """A real P/D pair (prefill instance, decode instance under torchrun, router): the decode side pulls each
+    prompt's KV and speculates with ngram on it. Greedy output equals the colocated tp1/dcp1 plan without
+    speculation token for token (and HF's); the counters reach the client through the router, streamed (on the
+    finishing chunk) or not; nothing is held after."""
+    (arch, sizes), prefill, decode = PD_CASES[case]
+    folder = echo_models(arch, **sizes)
+    plan = pd_plan(tmp_path, folder, prefill, {"cache.block_size": 16, **decode, **NGRAM})
+    prompts = prompt_ids(len(LENGTHS), LENGTHS, seed=5)
+    with LLM(write_plan(tmp_path, folder, name="colocated.yaml")) as llm:
+        colocated = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+    stream = {"prompt": prompts[-1], "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
+    with PlanServer(plan, log_path=tmp_path / "pd.log", health_timeout_s=300) as server:
+        bodies = complete_all(server.base_url, prompts, NEW_TOKENS)
+        with (
+            httpx.Client(base_url=server.base_url, timeout=300, trust_env=False) as http,
+            http.stream("POST", "/v1/completions", json=stream) as response,
+        ):
+            events = sse_events(response.iter_lines())
+        stats = settled(server.base_url)
+    for ids, body, plain in zip(prompts, bodies, colocated, strict=True):
+        assert body["choices"][0]["token_ids"] == plain.token_ids, f"prompt of {len(ids)} tokens diverged"
+        assert body["kv_transfer"][0]["tokens"] == len(ids) - 1  # the prompt's KV came from the prefill side
+    assert_hf(folder, prompts, bodies, NEW_TOKENS)
+    counters = [body["speculative"][0] for body in bodies]
+    assert sum(c["proposed"] for c in counters) > sum(c["accepted"] for c in counters) > 0
+    assert events[-1] == "[DONE]"
+    finishing = events[-2]
+    assert finishing["choices"][0]["finish_reason"] == "length"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == colocated[-1].text
+    assert finishing["speculative"] == bodies[-1]["speculative"]  # the same request, the same proposals
+    assert 0 < finishing["kv_transfer"][0]["tokens"] < len(prompts[-1]) - 1  # the decode side's prefix cache
+    assert stats["speculative"]["proposed"] == sum(c["proposed"] for c in counters) + counters[-1]["proposed"]
+    assert stats["kv_transfer"]["pulls"] == len(prompts) + 1 and stats["kv_transfer"]["pulls_failed"] == 0

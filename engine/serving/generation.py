@@ -178,13 +178,13 @@ class Generation:
 
 def stream_chunk(head: ResponseHead, gen: Generation, item: dict, finish: str | None, include_usage: bool) -> dict:
     """One SSE body with a single choice; `usage` is null on all but the final usage chunk. A choice's finishing
-    chunk carries its hand-off fields (P/D)."""
+    chunk carries its hand-off fields (P/D) and its speculative counters, as a non-streamed response does."""
     item["finish_reason"] = finish
     extra = {}
     if finish is not None:
         choice = gen.choices[item["index"]]
         item["stop_reason"] = choice.stop_reason
-        extra = handoff_fields([choice], gen.export_handle)
+        extra = {**handoff_fields([choice], gen.export_handle), **speculative_fields([choice])}
     body = head.body([item], **extra)
     if include_usage:
         body["usage"] = None

@@ -177,10 +177,14 @@ def _speculation(fn: Callable[[dict], float | None]) -> Getter:
     return lambda t: None if t.speculation is None else fn(t.speculation.as_dict())
 
 
-# plans with speculative_config: rows shown when a target speculates
+# plans with speculative_config: (row name, value from SpecCounters.as_dict, format); `dcpctl eval` shows them too
+SPECULATION_CELLS: list[tuple[str, Callable[[dict], float | None], Callable[[float], str]]] = [
+    ("speculation: proposals accepted", lambda s: s["acceptance_rate"], "{:.0%}".format),
+    ("speculation: tokens per verification", lambda s: s["mean_accepted_length"], "{:.2f}".format),
+]
+# rows shown when a target speculates
 SPECULATION_ROWS: list[tuple[str, Getter, Callable[[float], str], bool]] = [
-    ("speculation: proposals accepted", _speculation(lambda s: s["acceptance_rate"]), lambda v: f"{v:.0%}", False),
-    ("speculation: tokens per verification", _speculation(lambda s: s["mean_accepted_length"]), "{:.2f}".format, False),
+    (name, _speculation(value), fmt, False) for name, value, fmt in SPECULATION_CELLS
 ]
 
 
