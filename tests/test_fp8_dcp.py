@@ -3,7 +3,7 @@
 Real `dcpctl run`s (torchrun, gloo) of tiny MLA and GQA checkpoints: tp1/dcp2 (replica ranks) and tp2/dcp2, at
 interleave 1 and at interleave = block size, with chunked prefill and preemption (a recompute prefills what was
 decoded: it must see the keys and values as the cache stored them), against the one-rank run with the same cache
-dtype. The cpu backend reads fp8 caches through the torch backend's paths (its C++ kernels take float32 / bfloat16).
+dtype, on the torch backend and on the cpu backend (its C++ kernels store and read the fp8 cache).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """The fp8 KV cache (cache.dtype fp8_e4m3 / fp8_e5m2): what is stored, and attention on it in every backend.
 
 Stored values round to nearest within the format's bound and saturate at its largest value; every backend stores
-the same bytes; attention on the fp8 cache equals attention on a float cache holding the dequantized values (the
-torch and cpu backends bit for bit, the Triton interpreter within its fp32 summation-order tolerance).
+the same bytes; attention on the fp8 cache equals attention on a float cache holding the dequantized values: the
+torch backend bit for bit, the cpu backend's C++ kernels (this CPU's build; tests/test_cpu_isa.py runs this file again
+on the AVX2 build, tests/test_cpu_portable.py on the portable one) and the Triton interpreter within fp32
+summation-order tolerance.
 """
 
 from __future__ import annotations
@@ -57,10 +59,11 @@ def test_plan_names_map_to_torch_dtypes():
 # --------------------------------------------------------------------------------------------------------------
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 32, 4
+MLA_DIM, MLA_VALUE_DIM = 40, 32
 
 
-def _caches(dtype: torch.dtype, blocks: int, mla: bool):
-    heads, dim = (1, 40) if mla else (KV_HEADS, DIM)
+def _caches(dtype: torch.dtype, blocks: int, mla: bool, dim: int = DIM):
+    heads, dim = (1, MLA_DIM) if mla else (KV_HEADS, dim)
     _, layers = kv_cache.allocate(2, blocks, BLOCK, heads, dim, mla, dtype, torch.device("cpu"), True)
     return layers[1]
 
@@ -89,20 +92,25 @@ def _step(backend, lens: list[int], rank: int, dcp_size: int, interleave: int):
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("mla", [False, True], ids=["gqa", "mla"])
+@pytest.mark.parametrize(
+    ("mla", "dim"),
+    [(False, DIM), (False, 64), (False, 128), (True, MLA_DIM)],
+    ids=["gqa32", "gqa64", "gqa128", "mla"],  # 64 and 128: the C++ decode kernel's vector paths (AVX-512, AVX2)
+)
 @pytest.mark.parametrize("name", ["torch", "cpu", "triton"])
-def test_backend_stores_the_rounded_values_and_attends_to_them(dtype, mla, name):
+def test_backend_stores_the_rounded_values_and_attends_to_them(dtype, mla, dim, name):
     """Each backend's store writes `to_cache`'s bytes (skipping other ranks' tokens) and its paged attention equals
     the torch reference's on a float32 cache holding the dequantized values."""
+    if name == "triton" and dim > DIM:
+        pytest.skip("the Triton interpreter costs milliseconds per program: one head size is enough")
     lens, rank, dcp_size, interleave = [7, 13], 1, 2, 2
     g = torch.Generator().manual_seed(3)
     backend = create_backend(name)
     md, kv, blocks = _step(backend, lens, rank, dcp_size, interleave)
     tokens = sum(lens)
-    dim = 40 if mla else DIM
     key = torch.randn(tokens, 1 if mla else KV_HEADS, dim, generator=g) * 30  # some beyond e4m3's 448
-    value = None if mla else torch.randn(tokens, KV_HEADS, DIM, generator=g)
-    kc, vc = _caches(dtype, blocks, mla)
+    value = None if mla else torch.randn(tokens, KV_HEADS, dim, generator=g)
+    kc, vc = _caches(dtype, blocks, mla, dim)
     backend.write_cache(key, value, kc, vc, md)
 
     owned = md.slot_mapping >= 0
@@ -114,26 +122,26 @@ def test_backend_stores_the_rounded_values_and_attends_to_them(dtype, mla, name)
         assert torch.equal(flat_v[slots].view(torch.uint8), kv_quant.to_cache(value[owned], dtype).view(torch.uint8))
 
     q = torch.randn(len(lens), 16 if mla else HEADS, dim, generator=g)
-    value_dim = 32 if mla else DIM
+    value_dim = MLA_VALUE_DIM if mla else dim
     out, lse = backend.paged(q, kc, vc, value_dim, kv, 0.2)
-    ref_k, ref_v = _caches(torch.float32, blocks, mla)
+    ref_k, ref_v = _caches(torch.float32, blocks, mla, dim)
     ref_k.copy_(kc.float())
     if not mla:
         ref_v.copy_(vc.float())
     reference = create_backend("torch")
     reference.prepare(md)
     want_out, want_lse = reference.paged(q, ref_k, ref_v, value_dim, kv, 0.2)
-    if name == "triton":  # fp32 in another summation order, on keys (MLA: values) up to 448
+    if name == "torch":
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    else:  # fp32 in another summation order, on keys (MLA: values) up to 448
         torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-3)
         torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-3)
-    else:
-        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
 
 
 @pytest.mark.parametrize("name", ["torch", "cpu"])
 def test_rotate_and_write_stores_the_rotated_keys_rounded(name):
-    """The fused rotary + store (the cpu backend's kernel takes float32 / bfloat16 caches only) on an fp8 cache
-    stores the rotated keys and the values as `to_cache` rounds them."""
+    """The fused rotary + store (the cpu backend's C++ kernel) on an fp8 cache stores the rotated keys and the values
+    as `to_cache` rounds them, and returns torch's rotated heads."""
     g = torch.Generator().manual_seed(5)
     lens = [9]
     backend = create_backend(name)

@@ -330,7 +330,7 @@ def test_fp8_cache_holds_twice_the_tokens_of_bfloat16(make_plan, llama_folder, s
     # 2 layers x 2 (K,V) x 2 KV heads x 8 dims x 1 byte
     assert (fp8.kv.bytes_per_token, half.kv.bytes_per_token) == (64, 128)
     assert fp8.kv.token_capacity == 2 * half.kv.token_capacity
-    assert "decode attention: torch backend's paths" in fp8.cpu_paths.describe()
+    assert f"decode attention: engine paged decode kernel on an {resolved} cache" in fp8.cpu_paths.describe()
 
 
 def test_fp8_is_a_cache_dtype_only(make_plan, llama_folder):

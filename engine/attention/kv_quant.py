@@ -15,6 +15,11 @@ import torch
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The plan's name of a cache dtype (`cache.dtype`): fp8_e4m3 for torch.float8_e4m3fn, float32 for torch.float32."""
+    return next((name for name, d in FP8_DTYPES.items() if d == dtype), str(dtype).removeprefix("torch."))
+
+
 def is_fp8(dtype: torch.dtype) -> bool:
     """Whether a cache of this dtype stores 8-bit floats."""
     return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
