@@ -2,13 +2,16 @@
 
     GOMP_CPU_AFFINITY="0 1" .venv/bin/python benchmarks/cpu_decode_attention.py [--dtypes float32 bfloat16]
         [--batch 16] [--context 192] [--layers 30] [--block 64] [--heads 9] [--kv-heads 3] [--dim 64] [--l3]
+        [--dtypes float32 bfloat16 fp8_e4m3 fp8_e5m2 --query-dtype float32]
 
 SmolLM2-135M's shape by default: 30 layers, 9 query / 3 KV heads of 64 dims, block 64, a head-major cache allocated
 as the engine allocates it (`kv_cache.allocate`, the CPU backend's layout), random contents, each sequence's blocks
 drawn at random from the pool. A step is one `paged_decode` call per layer; each figure is the best of `--repeats`
 steps, after one warm-up step, and the KV bytes read per second at that time. `--l3`: every layer reads layer 0's
 cache (4.7 MB in fp32 at the defaults), so the KV stays in L3 and the figure is the kernel's compute alone.
-Prints one JSON line per dtype.
+A `--dtypes` entry is the cache's dtype (a plan's `cache.dtype` name); the queries are in it too, except for an fp8
+cache, whose queries are in `--query-dtype` (float32 by default), as a plan's model dtype. Prints one JSON line per
+dtype.
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ import time
 
 import torch
 
-from engine.attention import kv_cache
+from engine.attention import kv_cache, kv_quant
 from engine.kernels import cpu_isa, cpu_kernels
 
 
-def step_ms(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, float | str]:
+def step_ms(args: argparse.Namespace, dtype: torch.dtype, query_dtype: torch.dtype) -> dict[str, float | str]:
     """Best-of-`repeats` time of one decode step's attention over all layers, and its KV read rate."""
     g = torch.Generator().manual_seed(0)
     per_seq = -(-args.context // args.block)
@@ -34,7 +37,7 @@ def step_ms(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, float | s
     storage.copy_(torch.randn(storage.shape, generator=g).to(dtype))
     tables = torch.randperm(blocks, generator=g)[: args.batch * per_seq].view(args.batch, per_seq)
     lens = torch.full((args.batch,), args.context, dtype=torch.long)
-    q = torch.randn(args.batch, args.heads, args.dim, generator=g).to(dtype)
+    q = torch.randn(args.batch, args.heads, args.dim, generator=g).to(query_dtype)
     layers = [views[0]] * args.layers if args.l3 else views
     scale = args.dim**-0.5
 
@@ -49,8 +52,13 @@ def step_ms(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, float | s
         step()
         best = min(best, time.perf_counter() - start)
     kv_bytes = 2 * args.layers * args.batch * args.context * args.kv_heads * args.dim * dtype.itemsize
-    name = str(dtype).removeprefix("torch.")
-    return {"dtype": name, "step_ms": round(best * 1e3, 3), "kv_gb_s": round(kv_bytes / best / 1e9, 2)}
+    name = kv_quant.dtype_name(dtype)
+    return {
+        "dtype": name,
+        "query_dtype": str(query_dtype).removeprefix("torch."),
+        "step_ms": round(best * 1e3, 3),
+        "kv_gb_s": round(kv_bytes / best / 1e9, 2),
+    }
 
 
 def main() -> None:
@@ -64,13 +72,16 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--query-dtype", default="float32", help="the queries' dtype against an fp8 cache")
     parser.add_argument("--l3", action="store_true", help="all layers read layer 0's cache (the KV stays in L3)")
     args = parser.parse_args()
     assert cpu_kernels.cpu_kernels_available(), "the CPU kernels did not build"
     build = cpu_kernels.loaded_build()
     print(json.dumps({"isa": cpu_isa.detect().describe(), "build": build, "threads": torch.get_num_threads()}))
     for name in args.dtypes:
-        print(json.dumps(step_ms(args, getattr(torch, name)) | {"l3": args.l3}))
+        dtype = kv_quant.FP8_DTYPES.get(name) or getattr(torch, name)
+        query = getattr(torch, args.query_dtype) if kv_quant.is_fp8(dtype) else dtype
+        print(json.dumps(step_ms(args, dtype, query) | {"l3": args.l3}))
 
 
 if __name__ == "__main__":

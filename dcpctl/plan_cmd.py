@@ -330,6 +330,9 @@ def suggest_cmd(
     concurrency: Annotated[int, typer.Option(help="Sequences in flight over the whole cluster.")] = 1,
     dtype: Annotated[str, typer.Option(help="model.dtype of the plans (auto: fp32 on CPU, else bf16).")] = "auto",
     block_size: Annotated[int, typer.Option(help="cache.block_size of the plans.")] = 64,
+    kv_cache_dtype: Annotated[
+        str, typer.Option(help="cache.dtype of the plans (auto: the model's; fp8 = fp8_e4m3 | fp8_e5m2).")
+    ] = "auto",
     kv_memory: Annotated[
         str | None, typer.Option(help="KV bytes per rank (e.g. 1GiB) instead of what is left.")
     ] = None,
@@ -375,7 +378,7 @@ def suggest_cmd(
         if kv_bytes is None:
             raise UserError(f"--kv-memory {kv_memory!r} must be a size such as 1GiB, not a fraction")
     cluster = Cluster(spec, devices if devices is not None else spec.devices_per_node, nodes)
-    request = Request(planned, cluster, context, concurrency, dtype, block_size, kv_bytes, optimize)
+    request = Request(planned, cluster, context, concurrency, dtype, block_size, kv_bytes, optimize, kv_cache_dtype)
     if pd:
         _suggest_pd(request, top, show_all, as_json, write, pick)
         return

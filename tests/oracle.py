@@ -44,6 +44,42 @@ def _hf_greedy(folder: str, prompt_ids: tuple[int, ...], new_tokens: int) -> tup
 
 
 @functools.lru_cache(maxsize=2)
+def _hf_model_stored_kv(folder: str, cache_dtype: str):
+    """HF's model with every key and value (after rotary) rounded as a `cache_dtype` KV cache stores it, through
+    transformers' attention interface (GQA models: MLA's cache holds the latent, which HF never materializes)."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from engine.attention import kv_quant
+
+    stored = kv_quant.FP8_DTYPES[cache_dtype]
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        key, value = kv_quant.as_stored(key, stored), kv_quant.as_stored(value, stored)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    name = f"dcpctl_stored_{cache_dtype}"
+    AttentionInterface.register(name, attention)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=name).eval()
+
+
+@torch.inference_mode()
+def hf_greedy_stored_kv(
+    folder: str | Path, prompt_ids: list[int], new_tokens: int, cache_dtype: str
+) -> tuple[list[int], list[float]]:
+    """`hf_greedy` with the keys and values an fp8 cache (`cache.dtype`) stores: the oracle of an fp8 KV cache."""
+    model = _hf_model_stored_kv(str(folder), cache_dtype)
+    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    tokens, logprobs = [], []
+    for _ in range(new_tokens):
+        logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+        tokens.append(int(logp.argmax()))
+        logprobs.append(float(logp[tokens[-1]]))
+        out = model(torch.tensor([[tokens[-1]]]), cache=out.past_key_values, use_cache=True)
+    return tokens, logprobs
+
+
+@functools.lru_cache(maxsize=2)
 def _hf_model_bf16(folder: str):
     from transformers import AutoModelForCausalLM
 

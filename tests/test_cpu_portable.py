@@ -14,6 +14,7 @@ from engine.kernels import cpu_isa
 REPO = Path(__file__).resolve().parents[1]
 PORTABLE_SUITE = [
     "tests/test_layers.py",
+    "tests/test_kv_quant.py",  # the fp8 cache store and decode without vector loads
     "tests/test_cpu_isa.py::test_panel_gemm_matches_exact_products",
     "tests/test_cpu_isa.py::test_panel_gemm_keeps_nan_and_takes_strided_weights",
     "tests/test_cpu_isa.py::test_layers_take_the_gemm_the_isa_level_allows",

@@ -26,6 +26,7 @@ from engine.serving.hosting import bind_socket
 from engine.serving.plan_server import PlanServer
 from engine.serving.router import start_router
 from tests.oracle import LOGPROB_TOL, hf_greedy, prompt_ids, write_plan
+from tests.test_dcp_equivalence import dcpctl_run
 
 pytestmark = pytest.mark.multiproc
 
@@ -87,7 +88,7 @@ def settled(url: str, timeout_s: float = 20.0) -> dict:
         time.sleep(0.2)
 
 
-def assert_one_descriptor_per_block(folder, plan, prompts, bodies) -> None:
+def assert_one_descriptor_per_block(folder, plan, prompts, bodies, element_bytes: int = 4) -> None:
     """Interleave = block size from a dcp-1 prefill side: every decode rank's pull is exactly one descriptor per
     block it fills (each request's own report; the cache is block-major, so a block of all layers and K/V is one
     range), and as many blocks' bytes."""
@@ -100,7 +101,7 @@ def assert_one_descriptor_per_block(folder, plan, prompts, bodies) -> None:
     layout = ParallelLayout.build(par["tp"], par["dcp"], heads, config.get("num_key_value_heads", heads), mla)
     per_block = config["num_hidden_layers"] * (1 if mla else 2)  # layers x K/V
     head_dim = config["kv_lora_rank"] + config["qk_rope_head_dim"] if mla else config["head_dim"]
-    block_bytes = layout.kv_heads_per_rank() * block_size * head_dim * 4  # float32
+    block_bytes = layout.kv_heads_per_rank() * block_size * head_dim * element_bytes  # float32 unless told
     for ids, body in zip(prompts, bodies, strict=True):
         (kv,) = body["kv_transfer"]
         ranks = {r["rank"]: r for r in kv["per_rank"]}
@@ -309,3 +310,27 @@ def test_a_decode_rank_dying_ends_the_decode_instance_and_the_router_says_so(tmp
         assert "rank 1" in deployment.decode.exit_reason(), deployment.decode.exit_reason()
         assert_router_reports(client, url, "decode", d_url, {**body, "max_tokens": 2})
         wait_for(lambda: client.get(f"{p_url}/v1/engine/stats").json()["exports_live"] == 0, what="no export")
+
+
+def test_fp8_hand_off_equals_the_colocated_fp8_plan(tmp_path, tiny_models):
+    """An fp8_e4m3 cache on both sides: the decode side pulls the prefill side's one-byte blocks (one descriptor per
+    block at interleave = block size, a quarter of float32's bytes) and generates the colocated fp8 plan's tokens."""
+    folder = tiny_models("deepseek_v2")
+    fp8 = {"cache.block_size": 16, "cache.dtype": "fp8_e4m3"}
+    plan = pd_plan(tmp_path, folder, fp8, {**fp8, "parallel.tp": 2, "parallel.dcp": 2, "parallel.interleave": 16})
+    prompts = prompt_ids(len(LENGTHS), LENGTHS, seed=2)
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
+    colocated = write_plan(tmp_path, folder, fp8, name="colocated.yaml")
+    want, _ = dcpctl_run(colocated, prompts_file, tmp_path / "colocated.jsonl", tmp_path / "stats", NEW_TOKENS)
+    with PlanServer(plan, log_path=tmp_path / "pd.log", health_timeout_s=300) as server:
+        bodies = complete_all(server.base_url, prompts)
+        assert_one_descriptor_per_block(folder, plan, prompts, bodies, element_bytes=1)
+        for ids, body, record in zip(prompts, bodies, want, strict=True):
+            choice = body["choices"][0]
+            assert choice["token_ids"] == record["token_ids"], f"prompt of {len(ids)} tokens diverged"
+            theirs = [lp["logprob"] for lp in record["logprobs"]]
+            assert (
+                max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], theirs, strict=True)) < LOGPROB_TOL
+            )
+        assert settled(server.base_url)["kv_transfer"]["pulls_failed"] == 0

@@ -12,6 +12,7 @@ from dcpctl.cli import app
 from engine.errors import UserError
 from engine.kv_transfer import transport
 from engine.plan.checks import validate_plan_file
+from engine.plan.disagg import handoff_summary
 from tests.conftest import mla_fields, write_config
 
 runner = CliRunner()
@@ -172,3 +173,26 @@ def test_pd_plan_is_not_an_in_process_llm(make_plan, llama_folder):
         serve(check, [], "router")
     with pytest.raises(UserError, match=r"--role decode needs disagg\.prefill_url"):
         serve(check, [], "decode")
+
+
+def test_prefill_and_decode_with_other_fp8_formats_is_an_error_naming_both(make_plan, llama_folder):
+    path = pd_pair(
+        make_plan, llama_folder, llama_folder, prefill="cache: {dtype: fp8}\n", decode="cache: {dtype: fp8_e5m2}\n"
+    )
+    assert messages(validate_plan_file(path)) == [
+        "cache.dtype: the KV cache dtype differs: fp8_e4m3 on the prefill side, fp8_e5m2 here; "
+        "set the same cache.dtype on both"
+    ]
+
+
+def test_fp8_hand_off_moves_half_the_bytes_of_bfloat16_in_the_same_descriptors(make_plan, llama_folder):
+    def per_request(dtype: str) -> dict[int, list[tuple[int, int]]]:
+        cache = f"cache: {{memory: 1MiB, dtype: {dtype}}}\n"
+        path = pd_pair(make_plan, llama_folder, llama_folder, cache, cache + "parallel: {dcp: 2, interleave: 16}\n")
+        return handoff_summary(validate_plan_file(path).resolved).per_request
+
+    half, fp8 = per_request("bfloat16"), per_request("fp8")
+    assert half.keys() == fp8.keys()
+    for length, ranks in fp8.items():
+        assert [(d, 2 * b) for d, b in ranks] == half[length]
+        assert all(b > 0 for _, b in ranks)

@@ -316,3 +316,27 @@ def test_addresses_this_node_binds_must_be_its_own(make_plan, llama_folder, over
     assert any(m.startswith(message) for m in messages(report)), messages(report)
     good = ["parallel.dcp=2", "launch.master_addr=localhost", "serve.host=0.0.0.0"]
     assert check(make_plan, f"model: {{path: {llama_folder}}}\nlaunch: {{device: cpu}}\n", good).valid
+
+
+@pytest.mark.parametrize(
+    ("spelling", "resolved"), [("fp8", "fp8_e4m3"), ("fp8_e4m3", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2")]
+)
+def test_fp8_cache_holds_twice_the_tokens_of_bfloat16(make_plan, llama_folder, spelling, resolved):
+    """vLLM's --kv-cache-dtype spellings (fp8 is e4m3); one byte per element: twice bfloat16's tokens per rank."""
+    text = f"model: {{path: {llama_folder}}}\nparallel: {{dcp: 2, interleave: 4}}\nlaunch: {{device: cpu}}\n"
+    half = check(make_plan, text + "cache: {memory: 1MiB, dtype: bfloat16}\n").resolved
+    fp8 = check(make_plan, text + f"cache: {{memory: 1MiB, dtype: {spelling}}}\n").resolved
+    assert (fp8.dtype, fp8.cache_dtype) == ("float32", resolved)
+    # 2 layers x 2 (K,V) x 2 KV heads x 8 dims x 1 byte
+    assert (fp8.kv.bytes_per_token, half.kv.bytes_per_token) == (64, 128)
+    assert fp8.kv.token_capacity == 2 * half.kv.token_capacity
+    assert f"decode attention: engine paged decode kernel on an {resolved} cache" in fp8.cpu_paths.describe()
+
+
+def test_fp8_is_a_cache_dtype_only(make_plan, llama_folder):
+    report = check(make_plan, f"model: {{path: {llama_folder}, dtype: fp8}}\ncache: {{dtype: fp8_e4m4}}\n")
+    assert messages(report) == [
+        "model.dtype='fp8' is not one of auto, float32, bfloat16, float16",
+        "cache.dtype='fp8_e4m4' is not one of auto, float32, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2 "
+        "(did you mean 'fp8_e4m3'?)",
+    ]

@@ -478,3 +478,24 @@ def test_suggested_capacity_is_what_the_engine_allocates(tmp_path, tiny_models, 
 
 def test_known_aliases_are_shipped():
     assert set(KNOWN_ALIASES) <= set(SHIPPED)
+
+
+def test_fp8_kv_cache_doubles_bfloat16s_tokens_per_rank(no_pulled_models):
+    """--kv-cache-dtype goes into every suggested plan's cache.dtype: at a fixed KV budget fp8 holds twice bfloat16's
+    tokens and sequences, and the roofline reads half the KV bytes."""
+    model = planned_model("smollm2-135m-instruct")
+
+    def best(kv_dtype: str):
+        result = suggest(
+            Request(model, Cluster(TEST_CPU, 2, 1), 2048, 8, "bfloat16", kv_memory=GiB, kv_cache_dtype=kv_dtype)
+        )
+        return _by_layout(result, 1, 2, 1)
+
+    half, fp8 = best("auto"), best("fp8")
+    assert fp8.plan.cache.dtype == "fp8" and fp8.check.resolved.cache_dtype == "fp8_e4m3"
+    assert fp8.check.resolved.kv.token_capacity == 2 * half.check.resolved.kv.token_capacity
+    assert fp8.seqs_at_context in (2 * half.seqs_at_context, 2 * half.seqs_at_context + 1)  # whole sequences
+    assert fp8.step.kv_s == pytest.approx(half.step.kv_s / 2)
+    assert "dtype: fp8" in plan_yaml(fp8)
+    with pytest.raises(UserError, match="--kv-cache-dtype 'int8' is not one of auto, float32, bfloat16, float16, fp8"):
+        Request(model, Cluster(TEST_CPU, 2, 1), 2048, 8, kv_cache_dtype="int8")

@@ -408,7 +408,15 @@ def test_kernels_compile_for_hopper_without_a_gpu(kernel, dtype, consts, warps, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize(("q_dtype", "cache_dtype"), [(torch.bfloat16, torch.float16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize(
+    ("q_dtype", "cache_dtype"),
+    [
+        (torch.bfloat16, torch.float16),
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.float8_e4m3fn),  # cache.dtype fp8_e4m3 / fp8_e5m2: widened to fp32 in the kernel
+        (torch.bfloat16, torch.float8_e5m2),
+    ],
+)
 def test_gpu_paged_cache_dtype_differs_from_queries(q_dtype, cache_dtype):
     gen = torch.Generator().manual_seed(2)
     kv = make_paged([0, 300, 77], [1, 1, 1], 16, "cuda", gen)

@@ -11,7 +11,8 @@ faster: measured on a Sapphire Rapids Xeon, 2 threads (benchmarks/cpu_prefill_at
 took 2.6 / 4.3 / 7.2 / 6.7 / 13.5 ms at 16x128 / 8x256 / 4x512 / 1x1024 / 2x1024 tokens, torch's flash 3.5 / 3.9 /
 5.3 / 4.0 / 8.3 ms (fp32: the kernel is faster at every shape). Multi-query context attention stays on the torch
 backend's path, as does everything when the kernels cannot be built here (`cpu_kernels_available`) or the model or
-cache dtype is one they do not take (float16: `KERNEL_DTYPES`).
+cache dtype is one they do not take (float16: `KERNEL_DTYPES`, `KERNEL_CACHE_DTYPES`). An fp8 cache (cache.dtype
+fp8_e4m3 / fp8_e5m2) takes the kernels: they store the bytes `kv_quant.to_cache` stores and read them back exactly.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from engine.attention.torch_backend import TorchBackend
 from engine.kernels.cpu_isa import detect
 from engine.kernels.cpu_kernels import (
+    KERNEL_CACHE_DTYPES,
     KERNEL_DTYPES,
     cpu_kernels_available,
     paged_decode,
@@ -32,7 +34,7 @@ from engine.kernels.cpu_kernels import (
 
 def _kernel_dtypes(new: torch.Tensor, cache: torch.Tensor) -> bool:
     """Whether the engine's kernels take this model dtype and this cache dtype."""
-    return new.dtype in KERNEL_DTYPES and cache.dtype in KERNEL_DTYPES
+    return new.dtype in KERNEL_DTYPES and cache.dtype in KERNEL_CACHE_DTYPES
 
 
 FLASH_MIN_PROMPT_TOKENS = 256  # bf16 with AMX: from this mean prompt length on torch's flash beats the kernel

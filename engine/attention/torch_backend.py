@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.attention import kv_quant
 from engine.attention.backend import AttentionBackend, AttentionMetadata, PagedKV, PrefillNew
 from engine.attention.kv_layout import HEAD_MAJOR_BACKENDS
 
@@ -123,7 +124,7 @@ class TorchBackend(AttentionBackend):
         for new, cache in ((key, key_cache), (value, value_cache)):
             if cache is not None:
                 mine = new if rows is None else new.index_select(0, rows)
-                _physical(cache)[blocks, :, offsets] = mine.to(cache.dtype)  # the cache may be narrower
+                _physical(cache)[blocks, :, offsets] = kv_quant.to_cache(mine, cache.dtype)  # it may be narrower
 
     def prefill_new(self, q, k, v, prefill: PrefillNew, scale, need_lse):
         out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention import kv_quant
 from engine.attention import triton_kernels as kernels
 from engine.attention.backend import AttentionBackend, AttentionMetadata, PagedKV, PrefillNew
 
@@ -29,6 +30,9 @@ class TritonBackend(AttentionBackend):
         value_cache: torch.Tensor | None,
         metadata: AttentionMetadata,
     ) -> None:
+        if kv_quant.is_fp8(key_cache.dtype):  # torch's rounding and saturation; the kernel then copies the bytes
+            key = kv_quant.to_cache(key, key_cache.dtype)
+            value = None if value is None else kv_quant.to_cache(value, key_cache.dtype)
         kernels.store_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
 
     def prefill_new(

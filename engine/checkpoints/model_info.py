@@ -29,6 +29,8 @@ _DTYPE_BYTES = {
     "float32": 4,
     "float16": 2,
     "bfloat16": 2,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
     "F32": 4,
     "F16": 2,
     "BF16": 2,
@@ -89,7 +91,7 @@ def dtype_bytes(name: str) -> int:
     try:
         return _DTYPE_BYTES[name]
     except KeyError:
-        raise UserError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16") from None
+        raise UserError(f"unknown dtype {name!r}; use one of float32, bfloat16, float16, fp8_e4m3, fp8_e5m2") from None
 
 
 def safetensors_entries(folder: Path) -> list[tuple[str, str, int]]:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention import kv_quant
 from engine.kernels.cpu_isa import detect
 from engine.kernels.cpu_kernels import (
     cpu_kernels_available,
@@ -172,7 +173,7 @@ def cpu_paths_line(dtype: torch.dtype, gemms: dict[tuple[str, str], int], backen
         if prefill_gemm != gemm:
             prefill[prefill_gemm] += n
     taken = _layer_counts(batched, name) or GEMM_NAMES["torch"]
-    cache = str(cache_dtype).removeprefix("torch.")
+    cache = kv_quant.dtype_name(cache_dtype)
     decode = decode_path(getattr(backend, "kernels", False), backend.name, {name, cache})
     build = loaded_build() or "unavailable, torch's kernels"
     gemv = cpu_kernels_available() and name in KERNEL_DTYPE_NAMES

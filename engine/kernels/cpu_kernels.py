@@ -39,6 +39,7 @@ from engine.kernels.cpu_isa import CpuIsa, detect
 from engine.kernels.cpu_paths import KERNEL_DTYPE_NAMES, kernels_wanted
 
 KERNEL_DTYPES = tuple(getattr(torch, name) for name in KERNEL_DTYPE_NAMES)
+KERNEL_CACHE_DTYPES = (*KERNEL_DTYPES, torch.float8_e4m3fn, torch.float8_e5m2)  # KERNEL_CACHE_DTYPE_NAMES' dtypes
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("cpu_kernels.cpp", "cpu_gemm.cpp"))
 BASE_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]  # no implicit FMA: rotary keeps torch's bits
 STALE_LOCK_S = 600  # a build holding its lock this long is stuck: other starts build around it

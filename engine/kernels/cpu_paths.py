@@ -31,6 +31,7 @@ GEMV_MAX_ROWS = 2  # above this many rows a packed GEMM is faster than the GEMV 
 PREFILL_MIN_ROWS = 512  # from this many rows on oneDNN's fp32 beats the panel GEMM with AVX-512 (gemm_crossover.py)
 GEMM_NAMES = {"onednn": "oneDNN packed", "panels": "engine panel GEMM", "torch": "torch F.linear"}
 KERNEL_DTYPE_NAMES = ("float32", "bfloat16")  # what the engine's C++ kernels take
+KERNEL_CACHE_DTYPE_NAMES = (*KERNEL_DTYPE_NAMES, "fp8_e4m3", "fp8_e5m2")  # the KV caches their attention reads
 BF16_GEMM_ENV = "DCPCTL_BF16_GEMM"
 BF16_GEMMS = ("auto", "onednn", "panels")
 
@@ -84,8 +85,9 @@ def decode_path(kernels: bool, backend: str, dtypes: set[str]) -> str:
     cache's dtypes (`dtypes`), else the backend's (the `cpu` backend falls back to the torch backend's paths)."""
     if not (kernels and backend == "cpu"):
         return f"{backend} backend"
-    if dtypes <= set(KERNEL_DTYPE_NAMES):
-        return "engine paged decode kernel"
+    if dtypes <= set(KERNEL_CACHE_DTYPE_NAMES):  # the model's dtype is never an fp8 one
+        fp8 = sorted(dtypes - set(KERNEL_DTYPE_NAMES))
+        return "engine paged decode kernel" + (f" on an {fp8[0]} cache" if fp8 else "")
     return "torch backend's paths (the kernels take float32 / bfloat16)"
 
 

@@ -4,8 +4,10 @@ The layer returns the columns of the attention output that the plan's placement 
 its own heads, or with the sharded placement a 1/dcp slice of its DCP group's heads (which may cut through a head).
 Prefill chunks attend causally to their own new tokens (all in hand), computing only the heads that overlap the
 rank's columns, and, when they have cached context, to that context through the DCP path; the two parts merge by
-LSE, column by column. Decoding tokens are already in the cache (written first) and attend to it through the DCP
-path.
+LSE, column by column. With an fp8 cache the new tokens attend to their keys and values as the cache stores them
+(engine.attention.kv_quant), so a prompt's answer does not depend on whether its prefix came from the cache, a
+preemption's recompute or the prompt itself. Decoding tokens are already in the cache (written first) and attend to
+it through the DCP path.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.attention import kv_quant
 from engine.attention.backend import AttentionMetadata, Rotary, current_metadata
 from engine.attention.dcp_combine import CombineSpec, attend_cache, merge_attention
 from engine.distributed import get_parallel
@@ -85,6 +88,8 @@ class PagedAttention(nn.Module):
             k, v = k.index_select(1, self.new_kv_index), v.index_select(1, self.new_kv_index)
         else:
             k, v = k[:, self.new_kv], v[:, self.new_kv]
+        if kv_quant.is_fp8(self.key_cache.dtype):  # the new tokens see each other as the cache stores them
+            k, v = kv_quant.as_stored(k, self.key_cache.dtype), kv_quant.as_stored(v, self.key_cache.dtype)
         o, lse = backend.prefill_new(q[:, self.new_heads], k, v, md.prefill, self.scale, need_lse=context)
         o = o.reshape(o.shape[0], -1)[:, self.new_columns]
         if not context:

@@ -13,13 +13,21 @@ from engine.parallel_layout import divisors
 from engine.placement.split import COMM_CHOICES, DENSE_PLACEMENTS
 from engine.plan.kv_sizing import format_bytes, parse_memory
 from engine.plan.resolved import ResolvedPlan
-from engine.plan.schema import ATTENTION_BACKENDS, CPU_COMMS, DEVICES, DIST_BACKENDS, DTYPES, SERVING_ENGINES
+from engine.plan.schema import (
+    ATTENTION_BACKENDS,
+    CACHE_DTYPES,
+    CPU_COMMS,
+    DEVICES,
+    DIST_BACKENDS,
+    DTYPES,
+    SERVING_ENGINES,
+)
 from engine.plan.validation import PlanProblems
 
 # The fields whose value is one of a few names (the docs' plan reference lists them from here).
 FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": DTYPES,
-    "cache.dtype": DTYPES,
+    "cache.dtype": CACHE_DTYPES,
     "attention.backend": ATTENTION_BACKENDS,
     "launch.device": DEVICES,
     "launch.dist_backend": DIST_BACKENDS,

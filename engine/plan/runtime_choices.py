@@ -9,11 +9,13 @@ from engine.errors import UserError
 from engine.kernels import cpu_isa
 from engine.kernels.cpu_paths import BF16_GEMM_ENV, KERNELS_ENV, CpuPaths, kernels_wanted, requested_bf16_gemm
 from engine.plan.resolved import ResolvedPlan
+from engine.plan.schema import CACHE_DTYPE_ALIASES
 from engine.plan.validation import PlanProblems
 
 
 def resolve_dtypes(res: ResolvedPlan) -> None:
-    """The model's and the cache's dtypes (`auto`: float32 on CPU, the checkpoint's half dtype on GPU)."""
+    """The model's and the cache's dtypes (`auto`: float32 on CPU, the checkpoint's half dtype on GPU; the cache's
+    `fp8` resolves to fp8_e4m3, as in vLLM)."""
     plan = res.plan
     if plan.model.dtype != "auto":
         res.dtype = plan.model.dtype
@@ -22,7 +24,8 @@ def resolve_dtypes(res: ResolvedPlan) -> None:
     else:
         ckpt = res.model.torch_dtype if res.model else "bfloat16"
         res.dtype = ckpt if ckpt in ("bfloat16", "float16") else "bfloat16"
-    res.cache_dtype = res.dtype if plan.cache.dtype == "auto" else plan.cache.dtype
+    cache = CACHE_DTYPE_ALIASES.get(plan.cache.dtype, plan.cache.dtype)
+    res.cache_dtype = res.dtype if cache == "auto" else cache
 
 
 def _flash_attn_limits(res: ResolvedPlan) -> list[str]:

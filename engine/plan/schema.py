@@ -13,6 +13,9 @@ from dataclasses import dataclass, field, fields
 from omegaconf import MISSING
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The KV cache also stores 8-bit floats (engine.attention.kv_quant); vLLM's `fp8` is e4m3.
+CACHE_DTYPES = (*DTYPES, "fp8", "fp8_e4m3", "fp8_e5m2")
+CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")
 DEVICES = ("auto", "cpu", "cuda")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
@@ -83,7 +86,9 @@ class CacheSection:
     # ("0.5", at most 1).
     # Must hold one max_model_len sequence; a CPU plan's budgets on one node must fit its RAM.
     memory: str = "1GiB"
-    dtype: str = "auto"  # auto: the model dtype; a narrower cache stores rounded keys and values
+    # auto: the model dtype; a narrower cache stores rounded keys and values. fp8 | fp8_e4m3 | fp8_e5m2 (vLLM's
+    # --kv-cache-dtype; fp8 = fp8_e4m3): one byte per element, scale 1.0, saturating at the format's largest value
+    dtype: str = "auto"
     prefix_caching: bool = True  # reuse cached KV blocks of identical prompt prefixes
 
 

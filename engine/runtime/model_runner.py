@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from engine import dcp
-from engine.attention import kv_cache
+from engine.attention import kv_cache, kv_quant
 from engine.attention.backend import AttentionBackend, AttentionMetadata, PagedKV, PrefillNew, step_metadata
 from engine.distributed import ParallelContext, gather_objects
 from engine.kernels.cpu_gemm import cpu_paths_line, pack_linears
@@ -27,7 +27,7 @@ from engine.models.loading import load_checkpoint
 from engine.runtime.cuda_graphs import GRAPH_BACKENDS, DecodeGraphs, DecodeRows, capture_sizes
 from engine.runtime.step import ScheduledStep
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, **kv_quant.FP8_DTYPES}
 
 
 @dataclass(frozen=True)

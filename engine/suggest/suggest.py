@@ -25,7 +25,7 @@ from engine.placement.weights import weight_bytes
 from engine.plan.checks import check_plan
 from engine.plan.kv_sizing import format_bytes
 from engine.plan.loader import LoadedPlan, plan_to_dict
-from engine.plan.schema import DTYPES, ParallelSection, Plan
+from engine.plan.schema import CACHE_DTYPES, DTYPES, ParallelSection, Plan
 from engine.plan.validation import PlanCheck
 from engine.suggest.figures import Cluster, DecodeStep, decode_step
 from engine.suggest.models import PlannedModel
@@ -47,6 +47,7 @@ class Request:
     block_size: int = 64
     kv_memory: int | None = None  # bytes of KV per rank instead of what the memory leaves
     objective: str = "capacity"
+    kv_cache_dtype: str = "auto"  # cache.dtype of the plans (fp8: twice bfloat16's tokens per rank)
 
     def __post_init__(self) -> None:
         if self.context < 1:
@@ -57,6 +58,8 @@ class Request:
             raise UserError(f"--block-size {self.block_size} must be >= 1 (e.g. 16 or 64)")
         if self.dtype not in DTYPES:
             raise UserError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.kv_cache_dtype not in CACHE_DTYPES:
+            raise UserError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not one of {', '.join(CACHE_DTYPES)}")
         if self.objective not in OBJECTIVES:
             raise UserError(f"--optimize {self.objective!r} is not one of {', '.join(OBJECTIVES)}")
         if self.cluster.devices < 1 or self.cluster.nodes < 1:
@@ -166,6 +169,7 @@ def _plan(req: Request, c: Combo, memory: str, nnodes: int) -> Plan:
     plan.parallel.tp, plan.parallel.dcp, plan.parallel.interleave = c.tp, c.dcp, c.interleave
     plan.parallel.dense, plan.parallel.dcp_comm_backend = c.dense, c.comm
     plan.cache.block_size = req.block_size
+    plan.cache.dtype = req.kv_cache_dtype
     plan.cache.memory = memory
     plan.scheduler.max_num_seqs = req.concurrency
     plan.launch.device = req.cluster.spec.kind

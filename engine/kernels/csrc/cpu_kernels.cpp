@@ -6,6 +6,8 @@
 //   rms_norm      HF's RMSNorm (fp32 statistics, rounding as HF rounds), optionally after the residual add.
 //   rotary        rotary embedding of a [tokens, heads, dim] view, in fp32 as torch computes it (same bits).
 //   store_kv      new keys/values into the paged cache through the slot mapping.
+//   (store_kv, rotary_store_kv and paged_decode also take fp8 caches, e4m3fn and e5m2: stored rounded to nearest and
+//   saturated as torch's clamp-then-convert stores them, read back through a 256-entry table, exact.)
 //   rotary_store_kv  rotary of a layer's query and key heads and the store of its keys and values, in one op.
 //   paged_decode  one query per sequence against its paged keys/values: exact softmax in fp32,
 //                 returning the log-sum-exp per head (the DCP merge needs it).
@@ -27,6 +29,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -62,8 +66,26 @@ inline float bf16_to_float(uint16_t bits) {
   return value;
 }
 
+using Fp8E4m3 = c10::Float8_e4m3fn;
+using Fp8E5m2 = c10::Float8_e5m2;
+
+// Every value of an fp8 format as fp32 (c10's exact conversion), built when the library loads: a cache read is one
+// table load per element (one gather per vector in the decode kernel's vector paths).
+template <typename F>
+std::array<float, 256> fp8_values() {
+  std::array<float, 256> values;
+  for (int i = 0; i < 256; ++i) values[i] = static_cast<float>(F(static_cast<uint8_t>(i), F::from_bits()));
+  return values;
+}
+const std::array<float, 256> kE4m3Values = fp8_values<Fp8E4m3>();
+const std::array<float, 256> kE5m2Values = fp8_values<Fp8E5m2>();
+inline const float* fp8_table(const Fp8E4m3*) { return kE4m3Values.data(); }
+inline const float* fp8_table(const Fp8E5m2*) { return kE5m2Values.data(); }
+
 inline float to_float(float v) { return v; }
 inline float to_float(c10::BFloat16 v) { return bf16_to_float(v.x); }
+inline float to_float(Fp8E4m3 v) { return kE4m3Values[v.x]; }
+inline float to_float(Fp8E5m2 v) { return kE5m2Values[v.x]; }
 
 template <typename T>
 inline T from_float(float v) {
@@ -79,6 +101,22 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float v) {
   return c10::BFloat16(v != v ? uint16_t(0x7FC0) : rounded, c10::BFloat16::from_bits());
 }
 
+// fp8: saturated at the format's largest finite value (NaN stays NaN), then c10's rounding to nearest even: the
+// bytes of the torch backend's `kv_quant.to_cache` (clamp, then convert).
+template <typename F>
+inline F saturated_fp8(float v) {
+  const float largest = static_cast<float>(std::numeric_limits<F>::max());
+  return F(v > largest ? largest : (v < -largest ? -largest : v));
+}
+template <>
+inline Fp8E4m3 from_float<Fp8E4m3>(float v) {
+  return saturated_fp8<Fp8E4m3>(v);
+}
+template <>
+inline Fp8E5m2 from_float<Fp8E5m2>(float v) {
+  return saturated_fp8<Fp8E5m2>(v);
+}
+
 // Calls f.template operator()<T>() with T the C++ type of a float32 or bfloat16 tensor.
 template <typename F>
 void on_dtype(const at::Tensor& t, const char* op, F&& f) {
@@ -91,6 +129,20 @@ void on_dtype(const at::Tensor& t, const char* op, F&& f) {
 }
 
 // One row of rms_norm (restrict-qualified so that every loop vectorizes); h: d floats of scratch.
+// on_dtype for a KV cache: float32, bfloat16, or fp8 (e4m3fn, e5m2).
+template <typename F>
+void on_cache_dtype(const at::Tensor& t, const char* op, F&& f) {
+  if (t.scalar_type() == c10::ScalarType::Float8_e4m3fn) {
+    f(Fp8E4m3{});
+  } else if (t.scalar_type() == c10::ScalarType::Float8_e5m2) {
+    f(Fp8E5m2{});
+  } else {
+    TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, op,
+                ": a float32, bfloat16 or fp8 (e4m3fn, e5m2) cache expected");
+    on_dtype(t, op, f);
+  }
+}
+
 template <typename T>
 inline void rms_norm_row(const T* __restrict__ x, const T* __restrict__ residual, const T* __restrict__ weight,
                          T* __restrict__ out, T* __restrict__ sum_out, float* __restrict__ h, int64_t d, float eps) {
@@ -210,7 +262,7 @@ void store_kv(const at::Tensor& new_kv, at::Tensor& cache, const at::Tensor& slo
   const int64_t* slot = slots.data_ptr<int64_t>();
   on_dtype(new_kv, "store_kv", [&](auto in_tag) {
     using In = decltype(in_tag);
-    on_dtype(cache, "store_kv", [&](auto cache_tag) {
+    on_cache_dtype(cache, "store_kv", [&](auto cache_tag) {
       using C = decltype(cache_tag);
       const In* src = new_kv.data_ptr<In>();
       C* dst = cache.data_ptr<C>();
@@ -250,7 +302,7 @@ std::tuple<at::Tensor, at::Tensor> rotary_store_kv(const at::Tensor& qkv, const 
   const int64_t block = key_cache.size(1);
   on_dtype(qkv, "rotary_store_kv", [&](auto in_tag) {
     using In = decltype(in_tag);
-    on_dtype(key_cache, "rotary_store_kv", [&](auto cache_tag) {
+    on_cache_dtype(key_cache, "rotary_store_kv", [&](auto cache_tag) {
       using C = decltype(cache_tag);
       const In* src = qkv.data_ptr<In>();
       In* const outs[2] = {q_out.data_ptr<In>(), k_out.data_ptr<In>()};
@@ -392,6 +444,23 @@ inline v16 vload16(const c10::BFloat16* p) {  // bf16 -> fp32: the bits into the
   return v;
 }
 
+// fp8 -> fp32 through the format's table: one gather of the 16 bytes' values
+template <typename F>
+inline v16 vload16_fp8(const F* p) {
+  const float* table = fp8_table(p);
+#if defined(__AVX512F__)
+  const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return v16(_mm512_i32gather_ps(index, table, 4));
+#else
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(p);
+  v16 v;
+  for (int64_t i = 0; i < kVec; ++i) v[i] = table[bytes[i]];
+  return v;
+#endif
+}
+inline v16 vload16(const Fp8E4m3* p) { return vload16_fp8(p); }
+inline v16 vload16(const Fp8E5m2* p) { return vload16_fp8(p); }
+
 inline v16 vsplat16(float s) { return v16{} + s; }
 
 // a * b + c with one rounding (the scalar path's std::fma); only AVX-512 builds take the vector path
@@ -489,6 +558,22 @@ inline v8 vload8(const c10::BFloat16* p) {  // bf16 -> fp32: the bits into the u
   return v;
 #endif
 }
+
+template <typename F>
+inline v8 vload8_fp8(const F* p) {  // fp8 -> fp32 through the format's table
+  const float* table = fp8_table(p);
+#if defined(__AVX2__)
+  const __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return v8(_mm256_i32gather_ps(table, index, 4));
+#else
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(p);
+  v8 v;
+  for (int64_t i = 0; i < kVec8; ++i) v[i] = table[bytes[i]];
+  return v;
+#endif
+}
+inline v8 vload8(const Fp8E4m3* p) { return vload8_fp8(p); }
+inline v8 vload8(const Fp8E5m2* p) { return vload8_fp8(p); }
 
 inline v8 vfma8(v8 a, v8 b, v8 c) {  // a * b + c with one rounding
 #if defined(__FMA__)
@@ -881,7 +966,7 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
   at::Tensor lse = at::empty({seqs, heads}, q.options().dtype(at::kFloat));
   on_dtype(q, "paged_decode", [&](auto q_tag) {
     using Q = decltype(q_tag);
-    on_dtype(key_cache, "paged_decode", [&](auto cache_tag) {
+    on_cache_dtype(key_cache, "paged_decode", [&](auto cache_tag) {
       using C = decltype(cache_tag);
       const DecodeShape shape{seqs, heads, kv_heads, block, dk, value_dim, tables.size(1),
                               key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
