@@ -160,21 +160,20 @@ def test_flags_not_understood_are_listed_and_the_plan_is_written_whole(tmp_path)
         "--seed",
         "3",
         "--speculative-config",
-        '{"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}',
+        '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_minimum": 1}',
     ]
     result = RUNNER.invoke(app, ["plan", "import", "--output", str(out), "--", *words])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert [ln for ln in lines if ln.startswith("not understood")] == [
-        "not understood (left out of the plan): --enforce-eager",
         "not understood (left out of the plan): --seed 3",
-        "not understood (left out of the plan): --speculative-config key draft_tensor_parallel_size=1",
+        "not understood (left out of the plan): --speculative-config key prompt_lookup_minimum=1",
     ]
     plan = yaml.safe_load(out.read_text())
     assert plan == {
         "name": "imported",
         "description": "imported from vLLM",
-        "model": {"path": "deepseek-v2-lite"},
+        "model": {"path": "deepseek-v2-lite", "enforce_eager": True},
         "parallel": {"tp": 4, "dcp": 2, "interleave": 8},
         "cache": {"block_size": 16},
         "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},

@@ -120,6 +120,7 @@ def _vllm_table() -> dict[str, str]:
 
 
 VLLM_SWITCHES = {
+    "--enforce-eager",
     "--enable-prefix-caching",
     "--no-enable-prefix-caching",
     "--enable-chunked-prefill",
@@ -182,6 +183,8 @@ def import_vllm(env: dict[str, str], words: list[str]) -> Imported:
             out.settings["cache.prefix_caching"] = flag == "--enable-prefix-caching"
         elif flag in ("--enable-chunked-prefill", "--no-enable-chunked-prefill"):
             out.settings["scheduler.chunked_prefill"] = flag == "--enable-chunked-prefill"
+        elif flag == "--enforce-eager":
+            out.settings["model.enforce_eager"] = True
         elif value is None:
             out.not_understood.append(flag)
         elif flag == "--model":
@@ -260,6 +263,8 @@ def _trtllm_key(out: Imported, key: str, value: Any) -> None:
                 out.settings["cache.prefix_caching"] = bool(v)
             elif sub == "free_gpu_memory_fraction":
                 out.settings["cache.memory"] = str(v)
+            elif sub == "dtype" and v == "fp8":
+                out.settings["cache.dtype"] = "fp8_e4m3"
             else:
                 out.not_understood.append(f"kv_cache_config.{sub}: {v}")
     elif key == "speculative_config" and isinstance(value, dict) and value.get("decoding_type") == "NGram":

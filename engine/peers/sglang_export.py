@@ -22,6 +22,7 @@ SGLANG_FLAGS = {
     "parallel.dcp_comm_backend": "--dcp-comm-backend",
     "cache.block_size": "--page-size",
     "cache.memory": "--mem-fraction-static",
+    "cache.dtype": "--kv-cache-dtype",
     "cache.prefix_caching": "--disable-radix-cache",
     "scheduler.max_num_seqs": "--max-running-requests",
     "scheduler.max_num_batched_tokens": "--max-prefill-tokens",
@@ -33,6 +34,8 @@ SGLANG_FLAGS = {
     "launch.nnodes": "--nnodes",
     "launch.node_rank": "--node-rank",
 }
+# cache.dtype -> SGLang's --kv-cache-dtype (vLLM's `fp8` spelling is e4m3 in both engines)
+SGLANG_KV_DTYPES = {"bfloat16": "bfloat16", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
 CARRIED = {*SGLANG_FLAGS, "parallel.interleave", "disagg.connector", "disagg.prefill_port", "disagg.decode_port"}
 
 
@@ -102,11 +105,15 @@ def launch_argv(facts: PlanFacts, dcp: int, port: int) -> tuple[list[str], list[
         argv += ["--context-length", str(facts.max_model_len)]
     argv += ["--dtype", plan.model.dtype]
     gaps = []
-    if c.dtype != "auto":
+    kv_dtype = SGLANG_KV_DTYPES.get(c.dtype)
+    if kv_dtype is not None:
+        argv += ["--kv-cache-dtype", kv_dtype]
+    elif c.dtype != "auto":
         gaps.append(
             Gap(
                 "cache.dtype",
-                f"cache.dtype={c.dtype}: SGLang's --kv-cache-dtype takes auto or fp8 kinds only; not carried over",
+                f"cache.dtype={c.dtype}: SGLang's --kv-cache-dtype takes auto, bfloat16, fp8_e4m3 or fp8_e5m2; "
+                "not carried over",
                 f"{SERVER_ARGS} (--kv-cache-dtype)",
             )
         )

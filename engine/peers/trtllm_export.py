@@ -11,7 +11,9 @@ from typing import Any
 
 from engine.peers.export import Export, Gap, Instance, PlanFacts, pd_ports, prefixed, uncarried_gaps
 from engine.plan.kv_sizing import parse_memory
+from engine.plan.schema import Plan
 
+FP8_E4M3 = ("fp8", "fp8_e4m3")
 HELIX = "TensorRT-LLM Helix parallelism (arXiv 2507.07120; docs/source/features/disagg-serving.md, cp_config)"
 LLM_API = "TensorRT-LLM LLM API arguments (tensorrt_llm/llmapi/llm_args.py)"
 CARRIED = {
@@ -116,6 +118,8 @@ def llm_api_config(facts: PlanFacts, role: str, cp: int) -> dict[str, Any]:
     _, fraction = parse_memory(c.memory)
     if fraction is not None:
         kv["free_gpu_memory_fraction"] = fraction
+    if c.dtype in FP8_E4M3:
+        kv["dtype"] = "fp8"  # TensorRT-LLM's FP8 KV cache is e4m3
     config["kv_cache_config"] = kv
     config["dtype"] = plan.model.dtype
     if facts.max_model_len:
@@ -157,15 +161,21 @@ def _instance(facts: PlanFacts, role: str, port: int, cp: int) -> Instance:
     return Instance(role, argv, config=llm_api_config(facts, role, cp), config_file=config_file)
 
 
+def _carried(plan: Plan) -> set[str]:
+    """The fields TensorRT-LLM has a key for in this plan (its FP8 KV cache is e4m3 only)."""
+    return CARRIED | {"cache.dtype"} if plan.cache.dtype in FP8_E4M3 else CARRIED
+
+
 def trtllm_export(facts: PlanFacts) -> Export:
     """The plan as trtllm-serve lines and YAML; gaps for every rule it breaks and every field it has no key for."""
     plan = facts.plan
-    gaps = uncarried_gaps(plan, CARRIED, "TensorRT-LLM", LLM_API)
+    gaps = uncarried_gaps(plan, _carried(plan), "TensorRT-LLM", LLM_API)
     if facts.prefill is None:
         helix, cp = _helix_gaps(facts, "", pd=False)
         instance = _instance(facts, "serve", plan.serve.port, cp)
         return Export("trtllm", plan.name, facts.source, [instance], helix + gaps + _memory_gap(facts))
-    gaps += [prefixed(g, "prefill") for g in uncarried_gaps(facts.prefill.plan, CARRIED, "TensorRT-LLM", LLM_API)]
+    prefill = facts.prefill.plan
+    gaps += [prefixed(g, "prefill") for g in uncarried_gaps(prefill, _carried(prefill), "TensorRT-LLM", LLM_API)]
     ports = pd_ports(plan)
     gaps.append(
         Gap(

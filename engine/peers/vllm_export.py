@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 
-from engine.peers.export import Export, Gap, Instance, PlanFacts, pd_ports, prefixed, uncarried_gaps
+from engine.peers.export import Export, Gap, Instance, PlanFacts, model_arg, pd_ports, prefixed, uncarried_gaps
 from engine.plan.kv_sizing import parse_memory
 from engine.plan.schema import VLLM_FLAGS
 
@@ -25,6 +25,7 @@ CARRIED = {
     "model.path",
     "model.dtype",
     "model.max_model_len",
+    "model.enforce_eager",
     "parallel.tp",
     "parallel.dcp",
     "parallel.interleave",
@@ -163,6 +164,8 @@ def serve_argv(facts: PlanFacts, dcp: int, port: int) -> tuple[list[str], dict[s
     if facts.max_model_len:
         argv += [flag("model.max_model_len"), str(facts.max_model_len)]
     argv += [flag("model.dtype"), plan.model.dtype]
+    if plan.model.enforce_eager:
+        argv.append(flag("model.enforce_eager"))
     if plan.model.dtype == "auto" and facts.device == "cpu":
         gaps.append(
             Gap(
@@ -191,18 +194,11 @@ def serve_argv(facts: PlanFacts, dcp: int, port: int) -> tuple[list[str], dict[s
     argv += [flag("scheduler.max_num_batched_tokens"), str(s.max_num_batched_tokens)]
     if not s.chunked_prefill:
         argv.append("--no-enable-chunked-prefill")
-    dropped = ("model", "disable_by_batch_size")
-    spec = {k: v for k, v in plan.speculative_config.__dict__.items() if v is not None and k not in dropped}
+    spec = {k: v for k, v in plan.speculative_config.__dict__.items() if v is not None and k != "disable_by_batch_size"}
+    if "model" in spec:
+        spec["model"] = model_arg(spec["model"])
     if spec:
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
-    if plan.speculative_config.model is not None:
-        gaps.append(
-            Gap(
-                "speculative_config.model",
-                "a draft model is not supported by dcpctl; not exported",
-                "vLLM --speculative-config (model)",
-            )
-        )
     if plan.speculative_config.disable_by_batch_size is not None:
         gaps.append(
             Gap(

@@ -151,6 +151,11 @@ def _check_draft(problems: PlanProblems, s: SpeculativeSection, res: ResolvedPla
     except (OSError, ValueError) as exc:
         problems.error(key, f"{key}={s.model!r} is not a usable path ({exc}); fix {key}")
         return None
+    target_here = res.model_path is not None and (res.model_path / "config.json").is_file()
+    if not found and not path.exists() and not target_here:
+        # neither checkpoint is here (a plan checked before `dcpctl model pull`): a note, as for the target
+        problems.notes.append(f"{key}={s.model}: no draft checkpoint at {path}; draft checks skipped")
+        return None
     if not found:
         problems.error(
             key,
