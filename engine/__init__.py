@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine.devices import cpu_cores
+from engine.devices import cpu_set
 from engine.kernels.cpu_isa import cap_torch_isa
 from engine.kernels.cpu_threads import default_wait_policy
 
@@ -17,7 +17,7 @@ __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 # both must be in the environment before torch loads (anything below may import it)
 cap_torch_isa()  # DCPCTL_CPU_ISA=avx2 caps torch's own kernels too
 default_wait_policy()  # threads spin ~100 µs at a barrier, then sleep: no long spins on cores another process needs
-cpu_cores()  # the process's cores, remembered before OpenMP binding pins this thread to one of them
+cpu_set()  # the process's cores, remembered before OpenMP binding pins this thread to one of them
 
 
 def __getattr__(name: str) -> Any:

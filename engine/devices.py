@@ -19,14 +19,19 @@ def cuda_device_count() -> int:
 
 
 @functools.cache
-def cpu_cores() -> int:
-    """CPU cores this process may run on, as first asked: `import engine` asks before torch loads, because OpenMP
-    binding (GOMP_CPU_AFFINITY, OMP_PROC_BIND) then pins the main thread to the first core, and its affinity alone
-    would say 1 (the engine then ran one thread on a 2-core machine)."""
+def cpu_set() -> tuple[int, ...]:
+    """The CPUs this process may run on, as first asked: `import engine` asks before torch loads, because OpenMP
+    binding (GOMP_CPU_AFFINITY, OMP_PROC_BIND, the engine's own pinning) then pins the main thread to the first core,
+    and its affinity alone would say 1 (the engine then ran one thread on a 2-core machine)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return tuple(sorted(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        return tuple(range(os.cpu_count() or 1))
+
+
+def cpu_cores() -> int:
+    """How many CPU cores this process may run on (`cpu_set`)."""
+    return len(cpu_set())
 
 
 def available_memory_bytes() -> int:

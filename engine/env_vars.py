@@ -57,6 +57,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "engine.kernels.cpu_paths",
     ),
     EnvVar(
+        "DCPCTL_BIND_THREADS",
+        "1",
+        "`1` or unset pins each CPU rank's OpenMP threads one to a core (the ranks of a node take consecutive runs of "
+        "the process's CPU set; not when GOMP_CPU_AFFINITY, OMP_PROC_BIND or OMP_PLACES is set, or the ranks have "
+        "more threads than cores); `0` leaves them to the OS.",
+        "engine.kernels.cpu_threads",
+    ),
+    EnvVar(
         "DCPCTL_BF16_GEMM",
         "auto",
         "Which GEMM goes first for bfloat16 linear layers of more than 2 rows: `onednn`, `panels` (the engine's "

@@ -163,3 +163,24 @@ def test_cpu_backend_takes_torch_flash_for_long_bf16_prompts_on_amx():
         want = flash if amx and dtype == torch.bfloat16 and sum(lengths) >= FLASH_MIN_PROMPT_TOKENS * 2 else kernel
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
         assert not torch.equal(flash[0], kernel[0])  # the two paths differ in their bits: the choice is visible
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_flash_takes_gqa_keys_as_they_are(dtype):
+    """The torch backend hands torch's CPU flash op fewer key/value heads than query heads (no repeated copies): the
+    bits of the same op on repeated keys, and fp64 attention's values (bf16: the outputs to their rounding; the op's
+    bf16 log-sum-exp is within 1e-4 of fp64's, not the kernel's 5e-5)."""
+    from engine.attention.torch_backend import _causal_cpu
+
+    lengths = [7, 300]
+    q, k, v, cu = layer_inputs(lengths, 9, 3, 64, 64, dtype, seed=5)
+    out, lse = TorchBackend().prefill_new(q, k, v, PrefillNew(cu, lengths, max(lengths)), 0.125, True)
+    start = 0
+    for n in lengths:
+        qs, ks, vs = q[start : start + n], k[start : start + n], v[start : start + n]
+        repeated = _causal_cpu(qs, ks.repeat_interleave(3, 1), vs.repeat_interleave(3, 1), 0.125)
+        assert torch.equal(out[start : start + n], repeated[0]) and torch.equal(lse[start : start + n], repeated[1])
+        start += n
+    want_o, want_l = reference(q, k, v, lengths, 0.125)
+    check(out, lse, want_o, want_l if dtype == torch.float32 else lse.double(), dtype)
+    torch.testing.assert_close(lse.double(), want_l, atol=1e-4, rtol=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -44,3 +45,90 @@ def test_bound_openmp_threads_still_get_every_core():
     assert result.returncode == 0, result.stderr[-2000:]
     pinned, counted = map(int, result.stdout.split())
     assert (pinned, counted) == (1, len(cores))
+
+
+# ---------------------------------------------------------------- pinning each rank's threads to its cores
+
+
+@pytest.fixture
+def no_binding_env(monkeypatch):
+    from engine.kernels.cpu_threads import BIND_ENV, USER_BINDING_ENV
+
+    for name in (BIND_ENV, *USER_BINDING_ENV):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_ranks_of_a_node_take_consecutive_runs_of_the_cpu_set(no_binding_env):
+    from engine.kernels.cpu_threads import rank_cores
+
+    cpus = (2, 3, 5, 8)
+    assert rank_cores(cpus, 0, 1, 4) == (2, 3, 5, 8)
+    assert [rank_cores(cpus, r, 2, 2) for r in range(2)] == [(2, 3), (5, 8)]
+    assert [rank_cores(cpus, r, 4, 1) for r in range(4)] == [(2,), (3,), (5,), (8,)]
+    assert rank_cores(cpus, 0, 1, 2) == (2, 3)  # fewer threads than cores: the first ones
+
+
+def test_no_pinning_when_oversubscribed_switched_off_or_bound_by_the_user(no_binding_env):
+    from engine.kernels.cpu_threads import rank_cores
+
+    assert rank_cores((0, 1), 0, 3, 1) is None  # 3 ranks on 2 cores: stacking threads on one core would be worse
+    assert rank_cores((0, 1), 0, 1, 3) is None
+    no_binding_env.setenv("DCPCTL_BIND_THREADS", "0")
+    assert rank_cores((0, 1), 0, 1, 2) is None
+    no_binding_env.setenv("DCPCTL_BIND_THREADS", "1")
+    no_binding_env.setenv("OMP_PROC_BIND", "close")
+    assert rank_cores((0, 1), 0, 1, 2) is None
+
+
+def test_a_bad_bind_setting_is_a_one_line_error(no_binding_env):
+    from engine.errors import UserError
+    from engine.kernels.cpu_threads import rank_cores
+
+    no_binding_env.setenv("DCPCTL_BIND_THREADS", "yes")
+    with pytest.raises(UserError) as err:
+        rank_cores((0, 1), 0, 1, 2)
+    assert str(err.value) == (
+        "DCPCTL_BIND_THREADS='yes': use 1 (pin each rank's threads to cores) or 0 (leave them unpinned)"
+    )
+
+
+PIN_PROBE = """
+import json, os, sys, engine, torch
+from engine import LLM, SamplingParams
+before = sorted(os.sched_getaffinity(0))
+with LLM(sys.argv[1]) as llm:
+    llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    tasks = sorted(sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task"))
+    cores = llm.engine.runner.thread_cores
+print(json.dumps({"cores": cores, "threads": torch.get_num_threads(), "tasks": tasks,
+                  "restored": sorted(os.sched_getaffinity(0)) == before}))
+"""
+
+
+@pytest.mark.parametrize("bind", ["1", "0"])
+def test_the_stepping_threads_are_pinned_one_to_a_core_and_the_caller_gets_its_cores_back(tmp_path, tiny_models, bind):
+    """With pinning (the default) the thread that steps and its OpenMP worker each hold one core of the CPU set while
+    the engine runs, and the calling thread has its whole CPU set back after `close()` (its children get all cores);
+    with DCPCTL_BIND_THREADS=0 no thread is pinned."""
+    from engine.kernels.cpu_kernels import cpu_kernels_available
+    from tests.oracle import write_plan
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2 or not cpu_kernels_available():
+        pytest.skip("needs two cores and the engine's CPU kernels")
+    plan = write_plan(tmp_path, tiny_models("llama"), {"attention.backend": "cpu", "launch.threads_per_rank": 2})
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_CPU_AFFINITY", "OMP_PROC_BIND", "OMP_PLACES")}
+    env["DCPCTL_BIND_THREADS"] = bind
+    result = subprocess.run(
+        [sys.executable, "-c", PIN_PROBE, str(plan)], env=env, cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])  # tasks: the CPU set of every thread of the process
+    assert seen["threads"] == 2 and seen["restored"]
+    if bind == "1":
+        assert seen["cores"] == cores[:2]
+        assert [cores[0]] in seen["tasks"] and [cores[1]] in seen["tasks"]
+    else:
+        assert seen["cores"] is None
+        assert all(t == cores for t in seen["tasks"])

@@ -60,9 +60,7 @@ def _causal_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
     value_dim = v.shape[-1]
     if value_dim < k.shape[-1]:
         v = F.pad(v, (0, k.shape[-1] - value_dim))
-    group = q.shape[1] // k.shape[1]
-    if group > 1:  # causal rows cannot be folded: repeat the (few) new keys instead
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    # GQA: the kernel maps each query head to its key/value head itself (the same bits as repeated keys, no copy)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),

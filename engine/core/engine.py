@@ -385,3 +385,4 @@ class LLMEngine:
         if not self._stopped:
             self._stopped = True
             broadcast_object(None, self.par.control_group)
+            self.runner.release_threads()

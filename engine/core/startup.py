@@ -24,6 +24,8 @@ from engine.core.engine import LLMEngine
 from engine.distributed import ParallelContext, broadcast_object, gather_objects, init_parallel, init_single
 from engine.errors import UserError
 from engine.io_utils import atomic_write_text
+from engine.kernels.cpu_kernels import cpu_kernels_available
+from engine.kernels.cpu_threads import rank_cores
 from engine.kv_transfer.handles import KVRole
 from engine.plan.kv_sizing import kv_sizing
 from engine.plan.resolved import ResolvedPlan
@@ -35,6 +37,14 @@ def _set_threads(config: EngineConfig) -> None:
     if config.device != "cpu":
         return
     torch.set_num_threads(config.threads_per_rank or max(1, devices.cpu_cores() // config.local_world_size))
+
+
+def _thread_cores(config: EngineConfig, par: ParallelContext) -> tuple[int, ...] | None:
+    """The cores this rank's OpenMP threads are pinned to (`cpu_threads.rank_cores`); None on GPU or without the
+    engine's kernels (the pinning is one of their ops)."""
+    if config.device != "cpu" or not cpu_kernels_available():
+        return None
+    return rank_cores(devices.cpu_set(), par.local_rank, config.local_world_size, torch.get_num_threads())
 
 
 def _num_blocks(config: EngineConfig, par: ParallelContext) -> int:
@@ -103,6 +113,7 @@ def start_rank(
             graphs = runner.capture_graphs(config.scheduler.max_num_seqs, config.max_model_len)
         if par.is_driver:
             print(f"dcpctl: {graphs}", file=sys.stderr, flush=True)
+    runner.thread_cores = _thread_cores(config, par)
     _write_rank_stats(par, runner)
     if runner.cpu_paths and par.is_driver:
         print(f"dcpctl: {runner.cpu_paths}", file=sys.stderr, flush=True)

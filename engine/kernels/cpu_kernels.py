@@ -323,3 +323,9 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 if __name__ == "__main__":  # scripts/setup.sh: build now rather than in the first run
     print(f"dcpctl CPU kernels ({detect().describe()}):", loaded_build() or "unavailable (torch's kernels are used)")
+
+
+def bind_threads(cores: tuple[int, ...]) -> list[int]:
+    """Pin the calling thread's OpenMP team (the threads of its torch and oneDNN parallel regions), thread t to
+    `cores[t % len(cores)]`; returns the core each thread got (-1: refused)."""
+    return list(torch.ops.dcpctl.bind_threads(list(cores)))

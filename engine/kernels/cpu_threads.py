@@ -13,11 +13,17 @@ batch-16 fp32 step took ~47 ms with it against 71 ms with PASSIVE alone on idle 
 with two busy loops on the cores. libgomp reads both variables once, when torch loads it, so `engine/__init__.py`
 sets them at import; values the user set win (GOMP_SPINCOUNT, where set, replaces the count OMP_WAIT_POLICY
 implies). No torch import here.
+
+Where each thread runs is the other half (`rank_cores`): a rank's OpenMP threads are pinned one to a core, as
+vLLM-CPU pins its own (VLLM_CPU_OMP_THREADS_BIND). Unpinned, the threads of a 2-thread team wander: when another
+process takes a core, both may share the other one, and every barrier then waits a time slice.
 """
 
 from __future__ import annotations
 
 import os
+
+from engine.errors import UserError
 
 WAIT_POLICY = "PASSIVE"
 SPIN_COUNT = "10000"
@@ -27,3 +33,24 @@ def default_wait_policy() -> None:
     """Export OMP_WAIT_POLICY=PASSIVE and GOMP_SPINCOUNT=10000 into this process (and so its ranks) unless set."""
     os.environ.setdefault("OMP_WAIT_POLICY", WAIT_POLICY)
     os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
+
+
+BIND_ENV = "DCPCTL_BIND_THREADS"
+USER_BINDING_ENV = ("GOMP_CPU_AFFINITY", "OMP_PROC_BIND", "OMP_PLACES")  # the user's own OpenMP binding wins
+
+
+def rank_cores(
+    cpu_set: tuple[int, ...], local_rank: int, local_world_size: int, threads: int
+) -> tuple[int, ...] | None:
+    """The cores the `threads` OpenMP threads of a rank are pinned to, one each: the ranks of a node take consecutive
+    runs of the process's CPU set. None (left to the OS) with DCPCTL_BIND_THREADS=0, with a binding the user set
+    (GOMP_CPU_AFFINITY, OMP_PROC_BIND, OMP_PLACES) or when the node's ranks have more threads than cores."""
+    setting = os.environ.get(BIND_ENV, "1")
+    if setting not in ("0", "1"):
+        raise UserError(f"{BIND_ENV}={setting!r}: use 1 (pin each rank's threads to cores) or 0 (leave them unpinned)")
+    if setting == "0" or any(os.environ.get(name) for name in USER_BINDING_ENV):
+        return None
+    if threads < 1 or threads * local_world_size > len(cpu_set):
+        return None
+    first = local_rank * threads
+    return cpu_set[first : first + threads]

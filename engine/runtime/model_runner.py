@@ -8,6 +8,9 @@ The runner decides no policy: what to run comes from rank 0's scheduler.
 from __future__ import annotations
 
 import itertools
+import os
+import threading
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +21,7 @@ from engine.attention import kv_cache, kv_quant
 from engine.attention.backend import AttentionBackend, AttentionMetadata, PagedKV, PrefillNew, step_metadata
 from engine.distributed import ParallelContext, gather_objects
 from engine.kernels.cpu_gemm import cpu_paths_line, pack_linears
+from engine.kernels.cpu_kernels import bind_threads
 from engine.kv_transfer.handles import KVRole, PullReport
 from engine.kv_transfer.ranks import KVExporter, KVReceiver
 from engine.layers.attention import PagedAttention
@@ -79,6 +83,8 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.kv_exporter: KVExporter | None = None
         self.kv_receiver: KVReceiver | None = None
+        self.thread_cores: tuple[int, ...] | None = None  # where the stepping thread's OpenMP team is pinned
+        self._pinned: tuple[int, set[int]] | None = None  # the stepping thread's id and its CPU set before
         self.graphs: DecodeGraphs | None = None
 
     def allocate_cache(self, layout: CacheLayout) -> None:
@@ -266,12 +272,30 @@ class ModelRunner:
         )
         return input_ids, positions, self._metadata(step, cu, tables, slots)
 
+    def _pin_threads(self) -> None:
+        """Pin the OpenMP team of the thread that steps (the server's engine thread is not the one that started the
+        rank) to `thread_cores`, remembering that thread's own CPU set for `release_threads`."""
+        self.release_threads()
+        self._pinned = (threading.get_native_id(), os.sched_getaffinity(0))
+        bind_threads(self.thread_cores)
+
+    def release_threads(self) -> None:
+        """Give the stepping thread its CPU set back (a process that goes on, e.g. a test's, starts its children on
+        all its cores again); its OpenMP workers stay pinned for the next step."""
+        if self._pinned is not None:
+            native_id, cpus = self._pinned
+            self._pinned = None
+            with suppress(OSError):  # the thread has ended
+                os.sched_setaffinity(native_id, cpus)
+
     @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> StepLogits | None:
         """Run one step; rank 0 gets the logits the step asked for, other ranks None."""
         chunks = step.chunks
         if not chunks:
             return None
+        if self.thread_cores is not None and (self._pinned is None or self._pinned[0] != threading.get_native_id()):
+            self._pin_threads()
         if self._replayable(step):
             logits = self.graphs.run(self._decode_rows(step, with_lens=True))
             return None if logits is None else StepLogits(logits, [(i, 1) for i in range(len(chunks))])

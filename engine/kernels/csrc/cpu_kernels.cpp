@@ -15,6 +15,8 @@
 //                 softmax in fp32, with the log-sum-exp: one op per layer instead of a flash call per prompt.
 //   silu_and_mul  silu(gate) * up of [gate | up] rows in one pass, with torch's `F.silu(gate) * up` bits.
 //   argmax_rows   torch.argmax over the last dim of fp32 rows (greedy sampling's logits), vectorized.
+//   bind_threads  pin each OpenMP thread of the calling thread's team to one core (the team torch's and oneDNN's
+//                 parallel regions run on when this thread calls them).
 
 // silu_and_mul computes SiLU with ATen's vector exp (Sleef's, exported by libtorch): ATen's vector headers must see
 // the capability of the ATen kernels that torch runs on a CPU of this build's level (cpu_isa.py caps both alike).
@@ -32,6 +34,9 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 #include <torch/library.h>
+
+#include <omp.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <array>
@@ -1302,6 +1307,28 @@ std::tuple<at::Tensor, at::Tensor> prefill_causal(const at::Tensor& q, const at:
   return {out, lse};
 }
 
+// Pins thread t of the calling thread's OpenMP team (at::get_num_threads() threads, the calling thread is t = 0) to
+// cores[t % cores.size()]. libgomp keeps a team's threads for the next parallel region the same thread starts with
+// as many threads or fewer (torch's parallel_for and oneDNN both do), so the pinning lasts. Returns the core each
+// thread was pinned to, -1 where the kernel refused (a core outside the process's CPU set).
+std::vector<int64_t> bind_threads(at::IntArrayRef cores) {
+  TORCH_CHECK(!cores.empty(), "bind_threads: at least one core expected");
+  const int threads = at::get_num_threads();
+  std::vector<int64_t> bound(threads, -1);
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num();
+    const int64_t core = cores[t % cores.size()];
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (core >= 0 && core < CPU_SETSIZE) {
+      CPU_SET(static_cast<int>(core), &set);
+      if (sched_setaffinity(0, sizeof(set), &set) == 0) bound[t] = core;
+    }
+  }
+  return bound;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dcpctl, m) {
@@ -1317,6 +1344,7 @@ TORCH_LIBRARY(dcpctl, m) {
   m.def("prefill_causal(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, float scale) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("bind_threads(int[] cores) -> int[]", &bind_threads);  // no tensors to dispatch on: one kernel for all
 }
 
 TORCH_LIBRARY_IMPL(dcpctl, CPU, m) {
