@@ -34,6 +34,7 @@ GUIDES = (
     "pd.md",
     "speculative.md",
     "models.md",
+    "other-engines.md",
 )
 TINY_OVERRIDES = ["cache.memory=64MiB"]  # the shipped CPU plans' 1 GiB per rank is for SmolLM2's long contexts
 
