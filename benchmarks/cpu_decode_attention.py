@@ -22,7 +22,8 @@ import time
 
 import torch
 
-from engine.attention import kv_cache, kv_quant
+from engine import kv_quant
+from engine.attention import kv_cache
 from engine.kernels import cpu_isa, cpu_kernels
 
 

@@ -15,7 +15,8 @@ from rich.text import Text
 from dcpctl.args import split_plans_and_overrides
 from engine.errors import UserError
 from engine.io_utils import atomic_write_text, writable_file
-from engine.peers.export import ENGINE_NAMES, ENGINES, Export, Gap, export_plan, plan_facts
+from engine.peers.export import ENGINE_NAMES, ENGINES, Export, Gap, plan_facts
+from engine.peers.exporters import export_plan
 from engine.peers.imports import import_words
 
 

@@ -50,7 +50,7 @@ def _hf_model_stored_kv(folder: str, cache_dtype: str):
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from engine.attention import kv_quant
+    from engine import kv_quant
 
     stored = kv_quant.FP8_DTYPES[cache_dtype]
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from engine import dcp
-from engine.attention import kv_cache, kv_quant
+from engine import dcp, kv_quant
+from engine.attention import kv_cache
 from engine.attention.backend import AttentionMetadata, PagedKV
 from engine.attention.registry import create_backend
 from engine.layers.rotary import RotaryEmbedding

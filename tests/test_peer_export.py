@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 
 from dcpctl.cli import app
 from dcpctl.export_cmd import render_export
-from engine.peers.export import ENGINES, export_plan, plan_facts
+from engine.peers.export import ENGINES, plan_facts
+from engine.peers.exporters import export_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).with_name("golden") / "export"

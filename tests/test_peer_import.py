@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 from dcpctl.cli import app
 from engine.errors import UserError
 from engine.parallel_layout import divisors
-from engine.peers.export import ENGINES, Instance, export_plan, plan_facts
+from engine.peers.export import ENGINES, Instance, plan_facts
+from engine.peers.exporters import export_plan
 from engine.peers.imports import import_words
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +109,9 @@ def generated_plans(draw):
         "model": {
             "path": "deepseek-v2-lite",
             "dtype": draw(st.sampled_from(["auto", "bfloat16", "float16"])),
-            "max_model_len": draw(st.sampled_from([2048, 8192, 32768])),
+            # at most what the smallest cache.memory below holds, and the default 1 GiB an imported plan gets where
+            # the engine sizes its pool by a fraction only (SGLang, TensorRT-LLM): every generated plan is valid
+            "max_model_len": draw(st.sampled_from([2048, 4096, 8192])),
         },
         "parallel": {"tp": tp, "dcp": dcp, "interleave": draw(st.sampled_from(divisors(block)))},
         "cache": {

@@ -19,6 +19,7 @@ from engine import devices
 from engine.attention.cpu_backend import CpuBackend
 from engine.checkpoints.aliases import KNOWN_ALIASES
 from engine.checkpoints.model_info import read_model_info
+from engine.checkpoints.shipped_configs import SHIPPED
 from engine.errors import UserError
 from engine.kernels.cpu_gemm import PackableLinear
 from engine.plan.checks import validate_plan_file
@@ -27,7 +28,7 @@ from engine.suggest import decode_timing, hardware, host_timing, kernel_timing, 
 from engine.suggest.decode_shapes import DecodeShapes, decode_shapes
 from engine.suggest.figures import Cluster, expert_fraction
 from engine.suggest.hardware import DeviceSpec, parse_figure, preset
-from engine.suggest.models import SHIPPED, planned_model
+from engine.suggest.models import planned_model
 from engine.suggest.suggest import Request, plan_yaml, suggest, write_plan
 from tests.conftest import write_config
 

@@ -10,7 +10,8 @@ import pytest
 
 from engine.checkpoints.aliases import resolve_model_path
 from engine.errors import UserError
-from engine.peers.export import export_plan, plan_facts
+from engine.peers.export import plan_facts
+from engine.peers.exporters import export_plan
 from engine.peers.vllm_check import check_serve_args, find_vllm_python, vllm_version
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import kv_quant
+from engine import kv_quant
 from engine.attention.backend import AttentionBackend, AttentionMetadata, PagedKV, PrefillNew
 from engine.attention.kv_layout import HEAD_MAJOR_BACKENDS
 

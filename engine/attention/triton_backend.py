@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import kv_quant
+from engine import kv_quant
 from engine.attention import triton_kernels as kernels
 from engine.attention.backend import AttentionBackend, AttentionMetadata, PagedKV, PrefillNew
 

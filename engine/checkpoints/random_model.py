@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from engine.checkpoints.shipped_configs import SHIPPED
 from engine.checkpoints.tiny import (
     MIN_VOCAB,
     check_out_folder,
@@ -37,8 +38,8 @@ PROVENANCE_FILE = "dcpctl-random.json"
 DEFAULT_SHARD_BYTES = 2 << 30
 DTYPES = ("bfloat16", "float16", "float32")
 
-# Fields of each model's public config.json that the planning facts (engine.suggest.models.SHIPPED) leave out,
-# in transformers 5's form (rope_parameters); the hub's config.json of the repo named there is the source.
+# Fields of each model's public config.json that the planning facts (engine.checkpoints.shipped_configs.SHIPPED)
+# leave out, in transformers 5's form (rope_parameters); the hub's config.json of the repo named there is the source.
 _RUNTIME_FIELDS: dict[str, dict[str, Any]] = {
     "deepseek-v2-lite": {
         "model_type": "deepseek_v2",
@@ -98,8 +99,6 @@ def random_model_names() -> list[str]:
 
 def random_model_config(name: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The config.json fields of `name` with `overrides` applied (each must name an existing field)."""
-    from engine.suggest.models import SHIPPED
-
     if name not in _RUNTIME_FIELDS:
         runnable = ", ".join(random_model_names())
         also = " (shipped for planning only: the engine does not run its architecture)" if name in SHIPPED else ""

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import kv_quant
+from engine import kv_quant
 from engine.kernels.cpu_isa import detect
 from engine.kernels.cpu_kernels import (
     cpu_kernels_available,

@@ -5,7 +5,7 @@ its own heads, or with the sharded placement a 1/dcp slice of its DCP group's he
 Prefill chunks attend causally to their own new tokens (all in hand), computing only the heads that overlap the
 rank's columns, and, when they have cached context, to that context through the DCP path; the two parts merge by
 LSE, column by column. With an fp8 cache the new tokens attend to their keys and values as the cache stores them
-(engine.attention.kv_quant), so a prompt's answer does not depend on whether its prefix came from the cache, a
+(engine.kv_quant), so a prompt's answer does not depend on whether its prefix came from the cache, a
 preemption's recompute or the prompt itself. Decoding tokens are already in the cache (written first) and attend to
 it through the DCP path.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import kv_quant
+from engine import kv_quant
 from engine.attention.backend import AttentionMetadata, Rotary, current_metadata
 from engine.attention.dcp_combine import CombineSpec, attend_cache, merge_attention
 from engine.distributed import get_parallel

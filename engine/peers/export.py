@@ -2,7 +2,8 @@
 commands or configs per instance, and every gap with the engine's rule and a reference), and the one list of
 plan fields an engine has no equivalent for (`uncarried_gaps`), so that nothing is dropped silently.
 
-The per-engine rules live beside it (`vllm_export`, `sglang_export`, `trtllm_export`); `export_plan` picks one.
+The per-engine rules live beside it (`vllm_export`, `sglang_export`, `trtllm_export`); `exporters.export_plan`
+picks one.
 """
 
 from __future__ import annotations
@@ -221,16 +222,3 @@ def pd_ports(plan: Plan) -> dict[str, int]:
 def prefixed(gap: Gap, side: str) -> Gap:
     """The gap as one side of a P/D deployment ("prefill: ...")."""
     return Gap(gap.field, f"{side}: {gap.message}", gap.reference, gap.blocking, gap.closest)
-
-
-def export_plan(engine: str, facts: PlanFacts) -> Export:
-    """The plan exported to `engine` (one of ENGINES)."""
-    if engine == "vllm":
-        from engine.peers.vllm_export import vllm_export as build
-    elif engine == "sglang":
-        from engine.peers.sglang_export import sglang_export as build
-    elif engine == "trtllm":
-        from engine.peers.trtllm_export import trtllm_export as build
-    else:
-        raise UserError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINES)}")
-    return build(facts)

@@ -82,7 +82,7 @@ def _stand_in(model: str, folder: Path) -> str:
     one holding the config.json facts dcpctl ships for it (the model unchanged when there are none)."""
     if (Path(model).expanduser() / "config.json").is_file():
         return model
-    from engine.suggest.models import SHIPPED
+    from engine.checkpoints.shipped_configs import SHIPPED
 
     shipped = next((m for m in SHIPPED.values() if m.repo_id == model), None)
     if shipped is None:

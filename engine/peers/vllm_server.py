@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 
 from engine.errors import UserError
-from engine.peers.export import Instance, PlanFacts, export_plan, plan_facts
+from engine.peers.export import Instance, PlanFacts, plan_facts
+from engine.peers.exporters import export_plan
 from engine.peers.vllm_check import PYTHON_ENV, SHIM, find_vllm_python, vllm_version
 from engine.serving.plan_server import DEFAULT_HEALTH_TIMEOUT_S, PlanServer
 

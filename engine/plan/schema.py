@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 from omegaconf import MISSING
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# The KV cache also stores 8-bit floats (engine.attention.kv_quant); vLLM's `fp8` is e4m3.
+# The KV cache also stores 8-bit floats (engine.kv_quant); vLLM's `fp8` is e4m3.
 CACHE_DTYPES = (*DTYPES, "fp8", "fp8_e4m3", "fp8_e5m2")
 CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton", "flash_attn")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from engine import dcp
-from engine.attention import kv_cache, kv_quant
+from engine import dcp, kv_quant
+from engine.attention import kv_cache
 from engine.attention.backend import AttentionBackend, AttentionMetadata, PagedKV, PrefillNew, step_metadata
 from engine.distributed import ParallelContext, gather_objects
 from engine.kernels.cpu_gemm import cpu_paths_line, pack_linears
