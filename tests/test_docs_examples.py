@@ -153,7 +153,9 @@ class Examples:
         if self.server is None:
             return
         self.server.send_signal(signal.SIGINT)
-        code = self.server.wait(timeout=120)
+        # a P/D run stops its router, decode and prefill instances in turn, each allowed 45 s (SIGINT, SIGTERM,
+        # SIGKILL): on a loaded machine that takes longer than 120 s
+        code = self.server.wait(timeout=300)
         self.server = None
         assert code == 0, f"the served example exited {code} on SIGINT"
 
