@@ -167,3 +167,17 @@ def engine_bf16_tokens(tmp_path: Path, folder: Path) -> tuple[list[list[int]], l
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def record_shrinks(blocks) -> list[int]:
+    """Wrap `blocks.shrink` (a BlockManager) so that each call's freed block count is appended to the list returned."""
+    given_back: list[int] = []
+    shrink = blocks.shrink
+
+    def counting_shrink(seq, num_tokens):
+        before = blocks.num_free_blocks
+        shrink(seq, num_tokens)
+        given_back.append(blocks.num_free_blocks - before)
+
+    blocks.shrink = counting_shrink
+    return given_back

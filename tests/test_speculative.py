@@ -13,7 +13,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.sampler import _sorted_distribution, verify
 from engine.core.sequence import Sequence
 from engine.core.speculative import propose_ngram
-from tests.oracle import LOGPROB_TOL, hf_greedy, prompt_ids, write_plan
+from tests.oracle import LOGPROB_TOL, hf_greedy, prompt_ids, record_shrinks, write_plan
 
 NGRAM = {
     "speculative_config.method": "ngram",
@@ -280,15 +280,7 @@ def test_rollback_leaves_the_state_of_the_plain_run(tmp_path, echo_models, arch)
         LLM(write_plan(tmp_path, folder, {**settings, **NGRAM}, "spec.yaml")) as spec,
     ):
         blocks = spec.engine.blocks
-        given_back = []
-        shrink = blocks.shrink
-
-        def counting_shrink(seq, num_tokens):
-            before = blocks.num_free_blocks
-            shrink(seq, num_tokens)
-            given_back.append(blocks.num_free_blocks - before)
-
-        blocks.shrink = counting_shrink
+        given_back = record_shrinks(blocks)
         s = spec.engine.add_request(prompt, params)
         while s.num_output_tokens < 30:
             spec.engine.step()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.oracle import LOGPROB_TOL, hf_greedy, prompt_ids, write_plan
+from tests.oracle import LOGPROB_TOL, hf_greedy, prompt_ids, record_shrinks, write_plan
 from tests.test_speculative import LENGTHS, NEW_TOKENS, VerifySpy, chi_square_p_value, greedy, kv_of_positions, run
 
 DRAFT = {"speculative_config.method": "draft_model", "speculative_config.num_speculative_tokens": 3}
@@ -61,15 +61,7 @@ def test_rollback_keeps_both_caches_those_of_the_accepted_tokens(tmp_path, tiny_
         with LLM(write_plan(tmp_path, target, same_blocks, "plain.yaml")) as plain:
             blocks = spec.engine.blocks
             assert plain.engine.blocks.num_blocks == blocks.num_blocks
-            given_back = []
-            shrink = blocks.shrink
-
-            def counting_shrink(seq, num_tokens):
-                before = blocks.num_free_blocks
-                shrink(seq, num_tokens)
-                given_back.append(blocks.num_free_blocks - before)
-
-            blocks.shrink = counting_shrink
+            given_back = record_shrinks(blocks)
             s = spec.engine.add_request(prompt, params)
             while s.num_output_tokens < 30:
                 spec.engine.step()
