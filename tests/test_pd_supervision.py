@@ -192,6 +192,8 @@ def test_an_instance_whose_engine_failed_is_restarted(served):
     with httpx.Client(timeout=120, trust_env=False) as client:
         before = restarts(client, url)
         victim = piece(run, "prefill")
+        up = r"the prefill instance \S+ \(pid \d+\) is healthy again"
+        ups_before = len(re.findall(up, terminal(run)))
         armed.touch()
         failed = client.post(f"{url}/v1/completions", json=body(ids))
         assert failed.status_code == 502 and "injected engine fault" in failed.text, failed.text
@@ -204,6 +206,9 @@ def test_an_instance_whose_engine_failed_is_restarted(served):
         assert int(
             line.group(1)
         ) == victim.pid and "the engine failed (RuntimeError: injected engine fault)" in line.group(2)
+        # the router's health is polled (about once a second): wait for the supervisor's word that the new instance
+        # is up first, or a stale "healthy" from before the restart lets the request meet the stopped one
+        wait_for(lambda: len(re.findall(up, terminal(run))) > ups_before, timeout_s=120, what="the restart")
         wait_for(lambda: client.get(f"{url}/health").status_code == 200, timeout_s=120, what="router healthy")
         assert tokens(client, url, ids) == hf_greedy(folder, ids, NEW_TOKENS)[0]
         assert settled(client, url)["router"]["restarts"] == {**before, "prefill": before["prefill"] + 1}

@@ -14,6 +14,7 @@ import contextlib
 import os
 import socket
 import tempfile
+import threading
 from pathlib import Path
 from types import TracebackType
 
@@ -96,9 +97,12 @@ class Deployment:
         return self
 
     def stop(self) -> None:
-        for server in reversed(self.processes):
-            with contextlib.suppress(Exception):
-                server.stop()
+        """Stop the router and both instances at once: each may take its grace period, and none waits on another."""
+        threads = [threading.Thread(target=_stop_quietly, args=(server,)) for server in self.processes]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
 
     def router(self) -> Router:
         return Router(self.prefill.base_url, self.decode.base_url)
@@ -110,6 +114,11 @@ class Deployment:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def _stop_quietly(server: PlanServer) -> None:
+    with contextlib.suppress(Exception):
+        server.stop()
 
 
 def serve_router(router: Router, sock: socket.socket, name: str, where: str) -> None:

@@ -202,9 +202,11 @@ class EngineLoop:
                 if stopping:
                     break
                 self.engine.housekeeping()
-                if self.engine.has_unfinished():
-                    self._publish(self.engine.step())
-                self._snapshot()
+                outputs = self.engine.step() if self.engine.has_unfinished() else None
+                self._snapshot()  # before the outputs go out: a client reading the stats after its answer sees its step
+                if outputs is not None:
+                    self._publish(outputs)
+                    self.stats = {**self.stats, "requests_in_flight": len(self._handles)}
         except Exception as exc:
             logger.exception("the engine failed; failing the requests in flight")
             self.error = f"{type(exc).__name__}: {exc}"
