@@ -130,7 +130,14 @@ class Examples:
         if serving:
             self.port = free_port()
             argv.append(f"serve.port={self.port}")
-            self.server = subprocess.Popen(argv, cwd=self.tmp, env=self.env, stderr=subprocess.PIPE, text=True)
+            self.server = subprocess.Popen(  # SIGINT as in a terminal, even when this run inherited it ignored (`&`)
+                argv,
+                cwd=self.tmp,
+                env=self.env,
+                stderr=subprocess.PIPE,
+                text=True,
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            )
             self.wait_healthy()
             return
         done = subprocess.run(argv, cwd=self.tmp, env=self.env, capture_output=True, text=True, timeout=600)
@@ -153,9 +160,7 @@ class Examples:
         if self.server is None:
             return
         self.server.send_signal(signal.SIGINT)
-        # a P/D run stops its router, decode and prefill instances in turn, each allowed 45 s (SIGINT, SIGTERM,
-        # SIGKILL): on a loaded machine that takes longer than 120 s
-        code = self.server.wait(timeout=300)
+        code = self.server.wait(timeout=120)
         self.server = None
         assert code == 0, f"the served example exited {code} on SIGINT"
 

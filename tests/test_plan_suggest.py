@@ -392,7 +392,10 @@ def test_decode_timing_runs_the_engines_code(tiny_models, monkeypatch):
         monkeypatch.setattr(owner, name, counted)
     figures = decode_timing.decode_figures(shapes)
     assert set(figures) == set(measure.DECODE_FIGURES)
-    assert all(0 < v < float("inf") for v in figures.values())
+    # what serving and the collectives add is a difference of two timings, floored at 0 (a busy machine can make it 0)
+    added = {"serve_token_s", "step_collective_s"}
+    assert all(0 < v < float("inf") for k, v in figures.items() if k not in added), figures
+    assert all(0 <= figures[k] < float("inf") for k in added), figures
     assert calls["project"] and calls["paged"] and calls["execute"] == 2 * (host_timing.HOST_REPEATS + 2)
 
 

@@ -107,7 +107,7 @@ def test_tp1_dcp2_replicas_match_hf(tmp_path, smollm2, interleave, dense, comm):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("interleave", [1, 16, 64])
+@pytest.mark.parametrize("interleave", [1])  # the other shipped pairs: test_pd (tiny models), plan validation
 def test_shipped_pd_plans_through_the_router_match_hf(tmp_path, smollm2, interleave):
     """`dcpctl run plans/cpu/smollm2_pd_dcp2_iN.yaml --prompts-file`: prefill tp1/dcp1 -> decode tp1/dcp2 over NIXL,
     offline through the deployment's router, token for token HF's (and so the colocated plans')."""
