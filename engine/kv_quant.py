@@ -3,12 +3,13 @@
 A cache narrower than the model (`cache.dtype`) stores each key and value rounded to nearest in its dtype; an 8-bit
 float cache (fp8_e4m3, fp8_e5m2) stores `x / scale` rounded, saturating at the format's largest finite value (e4m3
 448, e5m2 57344) rather than storing NaN or inf, and reads back `stored * scale`. Each layer has one scale for its
-keys and one for its values (MLA: one for its latent cache), as vLLM's `k_scale` / `v_scale`: the checkpoint's
-(engine.kv_scales), else calibrated from the first prefill (`cache.calculate_kv_scales`), else 1.0. Every rank holds
-the same scales, so the stored value is a function of the value alone, the same on every rank, whatever the layout or
-the batch: DCP sharding, prefix caching and preemption never change what is quantized. Attention reads the stored
-values in the model's dtype and computes in it; paged attention folds the scales in (scores scaled by
-softmax scale x k_scale, the output by v_scale: the products of the dequantized values, in another order).
+keys and one for its values (MLA: one for its latent cache), as vLLM's `k_scale` / `v_scale`: calibrated from the
+first prefill when `cache.calculate_kv_scales` asks, else the checkpoint's (engine.checkpoints.kv_scales), else 1.0.
+Every rank holds the same scales, fixed once set, so the stored value is a function of the value alone, the same on
+every rank, whatever the layout or the batch: DCP sharding, prefix caching and preemption never change what is
+quantized. Attention reads the stored values in the model's dtype and computes in it; paged attention folds the
+scales in (scores scaled by softmax scale x k_scale, the output by v_scale: the products of the dequantized values,
+in another order).
 """
 
 from __future__ import annotations
