@@ -81,16 +81,19 @@ def test_checkpoint_scales_under_dcp_match_hf_with_the_same_scales(tmp_path, kv_
     compare_layouts(tmp_path, folder, "llama", {"cache.dtype": "fp8", "attention.backend": "cpu"}, layouts, scales)
 
 
-def test_calibrated_scales_are_the_same_on_every_layout(tmp_path, tiny_models):
+@pytest.mark.parametrize(("model", "backend"), [(KV1, "torch"), (MLA, "cpu")], ids=["gqa-torch", "mla-cpu"])
+def test_calibrated_scales_are_the_same_on_every_layout(tmp_path, tiny_models, model, backend):
     """cache.calculate_kv_scales: the first step (all seven prompts) sets the scales, the largest over every rank's
-    heads and tokens: tp2/dcp2 calibrates tp1/dcp1's scales and gives its tokens, which are HF's with the scales
-    vLLM's rule gives on HF's keys and values."""
-    folder = tiny_models(KV1[0], **KV1[1])
-    prompts = prompt_ids(len(LENGTHS), LENGTHS, seed=11)
-    scales = hf_calibrated_scales(folder, prompts, "fp8_e4m3")
-    common = {"cache.dtype": "fp8_e4m3", "cache.calculate_kv_scales": True, "attention.backend": "torch"}
+    heads and tokens: tp2/dcp2 calibrates tp1/dcp1's scales and gives its tokens; for GQA those are HF's with the
+    scales vLLM's rule gives on HF's keys and values (MLA: the latent's, HF never materializes it)."""
+    arch, sizes = model
+    folder = tiny_models(arch, **sizes)
+    scales = None
+    if arch == "llama":
+        scales = hf_calibrated_scales(folder, prompt_ids(len(LENGTHS), LENGTHS, seed=11), "fp8_e4m3")
+    common = {"cache.dtype": "fp8_e4m3", "cache.calculate_kv_scales": True, "attention.backend": backend}
     layouts = [{"parallel.tp": 2, "parallel.dcp": 2, "parallel.interleave": 1}]
-    compare_layouts(tmp_path, folder, "llama", common, layouts, scales)
+    compare_layouts(tmp_path, folder, arch, common, layouts, scales)
 
 
 def compare_layouts(

@@ -69,6 +69,14 @@ def test_calibration_is_the_first_prefills_amax_over_200_and_100_and_overrides_t
         assert got == tuple(fp32(s) for s in got)  # float32 values: what every backend stores and reads with
 
 
+def test_an_mla_calibration_is_one_scale_for_the_latent(tmp_path, tiny_models):
+    settings = {"cache.dtype": "fp8_e5m2", "cache.calculate_kv_scales": True}
+    with LLM(write_plan(tmp_path, tiny_models("deepseek_v2"), settings)) as llm:
+        llm.generate(prompt_ids(2, [9, 30], seed=4), SamplingParams(max_tokens=2, temperature=0))
+        scales = layer_scales(llm)
+    assert all(k == v and 0 < k < 1 for k, v in scales)  # the latent reaches about 7 here: not 1.0
+
+
 @pytest.mark.parametrize("value", [0.0, -0.5, math.nan, [0.1, 0.2]], ids=["zero", "negative", "nan", "two"])
 def test_a_bad_checkpoint_scale_is_a_one_line_error(tmp_path, kv_scaled_models, value):
     name = "model.layers.1.self_attn.v_scale"
