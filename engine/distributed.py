@@ -272,6 +272,14 @@ def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor
     return x
 
 
+def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Elementwise maximum over the group in place (no-op for a one-rank group); torch.distributed's own collective,
+    for the rare call (calibration) that needs it."""
+    if group is not None:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x
+
+
 def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Concatenate every rank's `x` along dim 0, in group-rank order."""
     return x if group is None else _comm(group).all_gather_rows(x)

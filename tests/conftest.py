@@ -113,6 +113,32 @@ def echo_models(tiny_models, tmp_path_factory):
     return _get
 
 
+@pytest.fixture(scope="session")
+def kv_scaled_models(tiny_models, tmp_path_factory):
+    """Copies of tiny checkpoints with fp8 KV cache scale tensors added: kv_scaled_models(arch, scales, **sizes) ->
+    folder, `scales` mapping a tensor name (e.g. model.layers.0.self_attn.k_scale) to its value (a 0-d fp32 tensor, as
+    llm-compressor writes them)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("kv_scaled")
+    made: dict[tuple, Path] = {}
+
+    def _get(arch: str, scales: dict[str, float], **sizes) -> Path:
+        key = (arch, repr(sorted(scales.items())), tuple(sorted(sizes.items())))
+        if key not in made:
+            src = tiny_models(arch, **sizes)
+            dst = root / f"{src.name}-{len(made)}"
+            shutil.copytree(src, dst)
+            weights = load_file(dst / "model.safetensors")
+            weights.update({name: torch.tensor(value, dtype=torch.float32) for name, value in scales.items()})
+            save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+            made[key] = dst
+        return made[key]
+
+    return _get
+
+
 DRAFT_NOISE = 0.05  # of each matrix's std: a draft whose greedy proposals are right about a fifth of the time
 
 

@@ -44,9 +44,10 @@ def _hf_greedy(folder: str, prompt_ids: tuple[int, ...], new_tokens: int) -> tup
 
 
 @functools.lru_cache(maxsize=2)
-def _hf_model_stored_kv(folder: str, cache_dtype: str):
-    """HF's model with every key and value (after rotary) rounded as a `cache_dtype` KV cache stores it, through
-    transformers' attention interface (GQA models: MLA's cache holds the latent, which HF never materializes)."""
+def _hf_model_stored_kv(folder: str, cache_dtype: str, scales: tuple[tuple[float, float], ...] | None):
+    """HF's model with every key and value (after rotary) rounded as a `cache_dtype` KV cache stores it (with layer
+    i's (k_scale, v_scale) = scales[i], None: 1.0), through transformers' attention interface (GQA models: MLA's cache
+    holds the latent, which HF never materializes)."""
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -55,20 +56,26 @@ def _hf_model_stored_kv(folder: str, cache_dtype: str):
     stored = kv_quant.FP8_DTYPES[cache_dtype]
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        key, value = kv_quant.as_stored(key, stored), kv_quant.as_stored(value, stored)
+        k_scale, v_scale = (1.0, 1.0) if scales is None else scales[module.layer_idx]
+        key, value = kv_quant.as_stored(key, stored, k_scale), kv_quant.as_stored(value, stored, v_scale)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
-    name = f"dcpctl_stored_{cache_dtype}"
+    name = f"dcpctl_stored_{cache_dtype}_{abs(hash(scales))}"
     AttentionInterface.register(name, attention)
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=name).eval()
 
 
 @torch.inference_mode()
 def hf_greedy_stored_kv(
-    folder: str | Path, prompt_ids: list[int], new_tokens: int, cache_dtype: str
+    folder: str | Path,
+    prompt_ids: list[int],
+    new_tokens: int,
+    cache_dtype: str,
+    scales: tuple[tuple[float, float], ...] | None = None,
 ) -> tuple[list[int], list[float]]:
-    """`hf_greedy` with the keys and values an fp8 cache (`cache.dtype`) stores: the oracle of an fp8 KV cache."""
-    model = _hf_model_stored_kv(str(folder), cache_dtype)
+    """`hf_greedy` with the keys and values an fp8 cache (`cache.dtype`, per-layer `scales`) stores: the oracle of
+    an fp8 KV cache."""
+    model = _hf_model_stored_kv(str(folder), cache_dtype, scales)
     out = model(torch.tensor([prompt_ids]), use_cache=True)
     tokens, logprobs = [], []
     for _ in range(new_tokens):
@@ -77,6 +84,44 @@ def hf_greedy_stored_kv(
         logprobs.append(float(logp[tokens[-1]]))
         out = model(torch.tensor([[tokens[-1]]]), cache=out.past_key_values, use_cache=True)
     return tokens, logprobs
+
+
+def hf_calibrated_scales(
+    folder: str | Path, prompts: list[list[int]], cache_dtype: str
+) -> tuple[tuple[float, float], ...]:
+    """vLLM's rule computed with HF: per layer, the largest |key| (after rotary) / 200 and |value| / 100 over the
+    prompts, each layer's input computed with the layers before it reading their keys and values as the cache stores
+    them (with their calibrated scales): one pass over the prompts per layer."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from engine.kv_quant import FP8_DTYPES, as_stored, fp32
+
+    stored = FP8_DTYPES[cache_dtype]
+    scales: list[tuple[float, float]] = []
+    amax: dict[int, list[float]] = {}
+
+    def probe(module, query, key, value, attention_mask, **kwargs):
+        layer = module.layer_idx
+        if layer < len(scales):
+            key, value = as_stored(key, stored, scales[layer][0]), as_stored(value, stored, scales[layer][1])
+        else:
+            seen = amax.setdefault(layer, [0.0, 0.0])
+            seen[0], seen[1] = max(seen[0], key.abs().max().item()), max(seen[1], value.abs().max().item())
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("dcpctl_kv_calibration", probe)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="dcpctl_kv_calibration"
+    )
+    with torch.inference_mode():
+        for layer in range(model.config.num_hidden_layers):
+            amax.clear()
+            for ids in prompts:
+                model(torch.tensor([ids]))
+            k, v = amax[layer]
+            scales.append((fp32(k / 200), fp32(v / 100)))
+    return tuple(scales)
 
 
 @functools.lru_cache(maxsize=2)

@@ -27,6 +27,7 @@ from engine.serving.plan_server import PlanServer
 from engine.serving.router import start_router
 from tests.oracle import LOGPROB_TOL, hf_greedy, prompt_ids, write_plan
 from tests.test_dcp_equivalence import dcpctl_run
+from tests.test_kv_scales import MLA_SCALES
 
 pytestmark = pytest.mark.multiproc
 
@@ -312,10 +313,12 @@ def test_a_decode_rank_dying_ends_the_decode_instance_and_the_router_says_so(tmp
         wait_for(lambda: client.get(f"{p_url}/v1/engine/stats").json()["exports_live"] == 0, what="no export")
 
 
-def test_fp8_hand_off_equals_the_colocated_fp8_plan(tmp_path, tiny_models):
+def test_fp8_hand_off_equals_the_colocated_fp8_plan(tmp_path, kv_scaled_models):
     """An fp8_e4m3 cache on both sides: the decode side pulls the prefill side's one-byte blocks (one descriptor per
-    block at interleave = block size, a quarter of float32's bytes) and generates the colocated fp8 plan's tokens."""
-    folder = tiny_models("deepseek_v2")
+    block at interleave = block size, a quarter of float32's bytes) and generates the colocated fp8 plan's tokens.
+    The checkpoint carries per-layer scales of the latent cache: both sides store and read with the same ones (a P/D
+    plan cannot calibrate its own: tests/test_kv_scales.py)."""
+    folder = kv_scaled_models("deepseek_v2", MLA_SCALES)
     fp8 = {"cache.block_size": 16, "cache.dtype": "fp8_e4m3"}
     plan = pd_plan(tmp_path, folder, fp8, {**fp8, "parallel.tp": 2, "parallel.dcp": 2, "parallel.interleave": 16})
     prompts = prompt_ids(len(LENGTHS), LENGTHS, seed=2)

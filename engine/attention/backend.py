@@ -110,8 +110,10 @@ class AttentionBackend(ABC):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor | None,
         metadata: AttentionMetadata,
+        scales: tuple[float, float] = (1.0, 1.0),
     ) -> None:
-        """Store each token's key/value at its slot; slot -1 (another rank's token) is skipped."""
+        """Store each token's key/value at its slot; slot -1 (another rank's token) is skipped. An fp8 cache stores
+        key / scales[0] and value / scales[1] (engine.kv_quant.to_cache)."""
 
     def rotate_and_write(
         self,
@@ -122,13 +124,14 @@ class AttentionBackend(ABC):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        scales: tuple[float, float] = (1.0, 1.0),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate the query and key heads of qkv [T, Hq + 2 Hkv, D] and store the rotated keys and the values as
         `write_cache` does; returns the rotated query heads [T, Hq, D] and key heads [T, Hkv, D]."""
         kv_heads = key_cache.shape[2]
         qk = rope.apply(qkv[:, :-kv_heads], cos, sin)
         k = qk[:, -kv_heads:]
-        self.write_cache(k, qkv[:, -kv_heads:], key_cache, value_cache, metadata)
+        self.write_cache(k, qkv[:, -kv_heads:], key_cache, value_cache, metadata, scales)
         return qk[:, :-kv_heads], k
 
     @abstractmethod

@@ -12,7 +12,8 @@ took 2.6 / 4.3 / 7.2 / 6.7 / 13.5 ms at 16x128 / 8x256 / 4x512 / 1x1024 / 2x1024
 5.3 / 4.0 / 8.3 ms (fp32: the kernel is faster at every shape). Multi-query context attention stays on the torch
 backend's path, as does everything when the kernels cannot be built here (`cpu_kernels_available`) or the model or
 cache dtype is one they do not take (float16: `KERNEL_DTYPES`, `KERNEL_CACHE_DTYPES`). An fp8 cache (cache.dtype
-fp8_e4m3 / fp8_e5m2) takes the kernels: they store the bytes `kv_quant.to_cache` stores and read them back exactly.
+fp8_e4m3 / fp8_e5m2) takes the kernels: they store the bytes `kv_quant.to_cache` stores (value / scale, in fp32) and
+read them back exactly; the layer folds the scales into the decode kernel's softmax scale and output.
 """
 
 from __future__ import annotations
@@ -47,18 +48,19 @@ class CpuBackend(TorchBackend):
         self.kernels = cpu_kernels_available()
         self.amx_flash = self.kernels and detect().amx_bf16  # torch's bf16 flash attention runs on AMX here
 
-    def write_cache(self, key, value, key_cache, value_cache, metadata) -> None:
+    def write_cache(self, key, value, key_cache, value_cache, metadata, scales=(1.0, 1.0)) -> None:
         if not self.kernels or key.device.type != "cpu" or not _kernel_dtypes(key, key_cache):
-            return super().write_cache(key, value, key_cache, value_cache, metadata)
-        for new, cache in ((key, key_cache), (value, value_cache)):
+            return super().write_cache(key, value, key_cache, value_cache, metadata, scales)
+        for new, cache, scale in ((key, key_cache, scales[0]), (value, value_cache, scales[1])):
             if cache is not None:
-                store_kv(new, cache, metadata.slot_mapping)
+                store_kv(new, cache, metadata.slot_mapping, scale)
 
-    def rotate_and_write(self, qkv, rope, cos, sin, key_cache, value_cache, metadata):
+    def rotate_and_write(self, qkv, rope, cos, sin, key_cache, value_cache, metadata, scales=(1.0, 1.0)):
         fused = self.kernels and qkv.is_cpu and value_cache is not None and _kernel_dtypes(qkv, key_cache)
         if fused and qkv.stride(-1) == 1:
-            return rotary_store_kv(qkv, cos, sin, rope.interleaved, key_cache, value_cache, metadata.slot_mapping)
-        return super().rotate_and_write(qkv, rope, cos, sin, key_cache, value_cache, metadata)
+            slots = metadata.slot_mapping
+            return rotary_store_kv(qkv, cos, sin, rope.interleaved, key_cache, value_cache, slots, scales)
+        return super().rotate_and_write(qkv, rope, cos, sin, key_cache, value_cache, metadata, scales)
 
     def prefill_new(self, q, k, v, prefill, scale, need_lse):
         same = q.dtype in KERNEL_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype

@@ -113,16 +113,16 @@ class TorchBackend(AttentionBackend):
                 kv.extra.pop("head_rows", None)  # the gather index of these tables: built by the first layer
         metadata.extra["write_slots"] = mine
 
-    def write_cache(self, key, value, key_cache, value_cache, metadata) -> None:
+    def write_cache(self, key, value, key_cache, value_cache, metadata, scales=(1.0, 1.0)) -> None:
         rows, slots = metadata.extra["write_rows"], metadata.extra["write_slots"]
         if slots.numel() == 0:
             return
         block_size = key_cache.shape[1]
         blocks, offsets = slots // block_size, slots % block_size
-        for new, cache in ((key, key_cache), (value, value_cache)):
+        for new, cache, scale in ((key, key_cache, scales[0]), (value, value_cache, scales[1])):
             if cache is not None:
                 mine = new if rows is None else new.index_select(0, rows)
-                _physical(cache)[blocks, :, offsets] = kv_quant.to_cache(mine, cache.dtype)  # it may be narrower
+                _physical(cache)[blocks, :, offsets] = kv_quant.to_cache(mine, cache.dtype, scale)  # may be narrower
 
     def prefill_new(self, q, k, v, prefill: PrefillNew, scale, need_lse):
         out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)

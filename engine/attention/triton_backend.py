@@ -29,10 +29,11 @@ class TritonBackend(AttentionBackend):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor | None,
         metadata: AttentionMetadata,
+        scales: tuple[float, float] = (1.0, 1.0),
     ) -> None:
-        if kv_quant.is_fp8(key_cache.dtype):  # torch's rounding and saturation; the kernel then copies the bytes
-            key = kv_quant.to_cache(key, key_cache.dtype)
-            value = None if value is None else kv_quant.to_cache(value, key_cache.dtype)
+        if kv_quant.is_fp8(key_cache.dtype):  # torch's scaling, rounding and saturation; the kernel copies the bytes
+            key = kv_quant.to_cache(key, key_cache.dtype, scales[0])
+            value = None if value is None else kv_quant.to_cache(value, key_cache.dtype, scales[1])
         kernels.store_kv(key, value, key_cache, value_cache, metadata.slot_mapping)
 
     def prefill_new(

@@ -35,7 +35,7 @@ class CheckpointTensor:
         return self.narrow(dim, index * step, step)
 
     def load(self) -> torch.Tensor:
-        return self._slice[:]
+        return self._slice[...]  # `...`, not `:`: a 0-d tensor (a KV cache scale) takes no slice
 
 
 def checkpoint_files(folder: Path) -> list[Path]:

@@ -26,6 +26,7 @@ class EngineConfig:
     placement: DensePlacement
     dtype: str
     cache_dtype: str
+    calculate_kv_scales: bool  # an fp8 cache's scales from the first prefill (cache.calculate_kv_scales)
     device: str
     dist_backend: str
     cpu_comm: str  # CPU: "shm" or "gloo" (the plan's launch.cpu_comm resolved); "" on CUDA
@@ -60,6 +61,7 @@ class EngineConfig:
             placement=resolved.placement,
             dtype=resolved.dtype,
             cache_dtype=resolved.cache_dtype,
+            calculate_kv_scales=plan.cache.calculate_kv_scales,
             device=resolved.device,
             dist_backend=plan.launch.dist_backend,
             cpu_comm=resolved.cpu_comm,

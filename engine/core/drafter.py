@@ -51,7 +51,8 @@ class Drafter:
                 config.max_model_len,
             )
         # one draft block per virtual block of the target (dcp 1: the block is its own interleave)
-        self.runner.allocate_cache(CacheLayout(num_blocks, span, span, TORCH_DTYPES[config.cache_dtype]))
+        cache_dtype = TORCH_DTYPES[config.cache_dtype]
+        self.runner.allocate_cache(CacheLayout(num_blocks, span, span, cache_dtype, config.calculate_kv_scales))
         self.probs: dict[int, torch.Tensor] = {}  # seq_id -> the draft's distributions of its proposals (sampled)
 
     def propose(self, step: ScheduledStep, seqs: list[Sequence], generators: dict[int, torch.Generator]) -> None:

@@ -103,6 +103,7 @@ def start_rank(
             block_size=config.block_size,
             interleave=config.interleave,
             dtype=TORCH_DTYPES[config.cache_dtype],
+            calculate_scales=config.calculate_kv_scales,
         )
     )
     if kv_role is not None:

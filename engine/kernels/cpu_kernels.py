@@ -269,9 +269,10 @@ def panel_linear(
     return torch.ops.dcpctl.panel_linear(x, panels, shape[0], shape[1], bias)
 
 
-def store_kv(new_kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Write new_kv [T, Hkv, D] into a layer's cache view [blocks, B, Hkv, D] at `slots` (-1: skipped)."""
-    torch.ops.dcpctl.store_kv(new_kv, cache, slots)
+def store_kv(new_kv: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale: float = 1.0) -> None:
+    """Write new_kv [T, Hkv, D] into a layer's cache view [blocks, B, Hkv, D] at `slots` (-1: skipped); an fp8 cache
+    stores new_kv / scale (fp32), as `kv_quant.to_cache`."""
+    torch.ops.dcpctl.store_kv(new_kv, cache, slots, scale)
 
 
 def rotary_store_kv(
@@ -282,10 +283,12 @@ def rotary_store_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slots: torch.Tensor,
+    scales: tuple[float, float] = (1.0, 1.0),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary of the query and key heads of qkv [T, Hq + 2 Hkv, D] (returned: [T, Hq, D], [T, Hkv, D]) and the store
-    of the rotated keys and the values into the cache views at `slots`: the bits of `rotary` then two `store_kv`."""
-    return torch.ops.dcpctl.rotary_store_kv(qkv, cos, sin, interleaved, key_cache, value_cache, slots)
+    of the rotated keys and the values into the cache views at `slots`: the bits of `rotary` then two `store_kv`
+    (with the key's and the value's scale)."""
+    return torch.ops.dcpctl.rotary_store_kv(qkv, cos, sin, interleaved, key_cache, value_cache, slots, *scales)
 
 
 def paged_decode(

@@ -7,7 +7,9 @@ rank's columns, and, when they have cached context, to that context through the 
 LSE, column by column. With an fp8 cache the new tokens attend to their keys and values as the cache stores them
 (engine.kv_quant), so a prompt's answer does not depend on whether its prefix came from the cache, a
 preemption's recompute or the prompt itself. Decoding tokens are already in the cache (written first) and attend to
-it through the DCP path.
+it through the DCP path. The layer holds its cache's scales (`k_scale`, `v_scale`; MLA: one for the latent): the
+stores divide by them, attention to the cache folds them in (scores by scale x k_scale, the output times v_scale).
+With `calibrating` set, the first step with a prefill sets them from its new keys and values (`calibrate`).
 """
 
 from __future__ import annotations
@@ -16,9 +18,14 @@ import torch
 from torch import nn
 
 from engine import kv_quant
-from engine.attention.backend import AttentionMetadata, Rotary, current_metadata
+from engine.attention.backend import AttentionMetadata, PagedKV, Rotary, current_metadata
 from engine.attention.dcp_combine import CombineSpec, attend_cache, merge_attention
-from engine.distributed import get_parallel
+from engine.distributed import all_reduce_max, get_parallel
+
+# vLLM's calibration constants (its K_SCALE_CONSTANT / V_SCALE_CONSTANT defaults): a calibrated scale maps the first
+# prefill's largest |key| to 200 and largest |value| to 100, whatever the fp8 format: headroom (x2.24 and x4.48 in
+# e4m3) for later tokens larger than any of the first prefill's.
+K_SCALE_CONSTANT, V_SCALE_CONSTANT = 200.0, 100.0
 
 
 class PagedAttention(nn.Module):
@@ -42,6 +49,9 @@ class PagedAttention(nn.Module):
         self.value_in_key = value_in_key
         self.key_cache: torch.Tensor | None = None
         self.value_cache: torch.Tensor | None = None  # None for MLA: values live inside the key cache
+        self.k_scale, self.v_scale = 1.0, 1.0  # an fp8 cache's scales (float32 values; MLA: v_scale = k_scale)
+        self.calibrating = False  # set the scales from the next step with a prefill (cache.calculate_kv_scales)
+        self.calibration_group = par.world_group  # every rank of the engine takes the same scales
         self.spec = CombineSpec(par, par.device)
         self.width = share.merge_width
         # prefill of new tokens: only the heads overlapping this rank's columns, then those columns
@@ -54,17 +64,39 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of rotated q, k and v (MLA)."""
         md = current_metadata()
-        md.backend.write_cache(k, None if self.value_in_key else v, self.key_cache, self.value_cache, md)
+        if self.calibrating and md.prefill is not None:
+            self.calibrate(k, None if self.value_in_key else v)
+        md.backend.write_cache(k, None if self.value_in_key else v, self.key_cache, self.value_cache, md, self.scales)
         return self._attend(q, k, v, md)
 
     def rotary_forward(self, qkv: torch.Tensor, rope: Rotary, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Attention of one projection's unrotated heads qkv [N, Hq + 2 Hkv, D]: the backend rotates q and k and
         stores k and v in one call (one op on CPU)."""
         md = current_metadata()
-        q, k = md.backend.rotate_and_write(qkv, rope, cos, sin, self.key_cache, self.value_cache, md)
+        if self.calibrating and md.prefill is not None:  # the scales first, from the rotated keys: then the store
+            qk = rope.apply(qkv[:, : -self.num_kv_heads], cos, sin)
+            return self.forward(qk[:, : -self.num_kv_heads], qk[:, -self.num_kv_heads :], qkv[:, -self.num_kv_heads :])
+        q, k = md.backend.rotate_and_write(qkv, rope, cos, sin, self.key_cache, self.value_cache, md, self.scales)
         if md.prefill is None:  # v is only read by a prefill: no slice of it at decode
             return self._decode(q, md)
         return self._attend(q, k, qkv[:, q.shape[1] + k.shape[1] :], md)
+
+    @property
+    def scales(self) -> tuple[float, float]:
+        """(k_scale, v_scale) of this layer's cache."""
+        return self.k_scale, self.v_scale
+
+    def calibrate(self, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Set the scales from a prefill's new keys and values (vLLM's `calculate_kv_scales` rule): the largest |key|
+        / 200 and the largest |value| / 100 (MLA: one scale, the latent's largest / 200), each the largest over every
+        rank (each holds some of the heads: the scales are the whole layer's, the same on every rank and layout). A
+        layer whose keys (values) are all zero keeps 1.0."""
+        amax = torch.stack([k.abs().amax(), (k if v is None else v).abs().amax()]).float()
+        amax = all_reduce_max(amax, self.calibration_group).tolist()
+        constants = (K_SCALE_CONSTANT, K_SCALE_CONSTANT if v is None else V_SCALE_CONSTANT)
+        scales = [kv_quant.fp32(m / c) if m > 0 else 1.0 for m, c in zip(amax, constants, strict=True)]
+        self.k_scale, self.v_scale = scales
+        self.calibrating = False
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """The rest of the layer once the new keys and values are in the cache."""
@@ -79,7 +111,16 @@ class PagedAttention(nn.Module):
 
     def _decode(self, q: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """The decoding rows' attention to the cache (they are written first): this rank's columns [T, W]."""
-        return attend_cache(md.backend, self.spec, q, self.key_cache, self.value_cache, md.decode, self.scale, False)[0]
+        return self._attend_cache(q, md, md.decode, False)[0]
+
+    def _attend_cache(
+        self, q: torch.Tensor, md: AttentionMetadata, kv: PagedKV, need_lse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`attend_cache` with the cache's scales folded in: scores of the stored keys times k_scale, the output of the
+        stored values times v_scale (exact for 1.0: no op)."""
+        scale = self.scale * self.k_scale
+        out, lse = attend_cache(md.backend, self.spec, q, self.key_cache, self.value_cache, kv, scale, need_lse)
+        return (out if self.v_scale == 1.0 else out * self.v_scale), lse
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         backend = md.backend
@@ -89,14 +130,13 @@ class PagedAttention(nn.Module):
         else:
             k, v = k[:, self.new_kv], v[:, self.new_kv]
         if kv_quant.is_fp8(self.key_cache.dtype):  # the new tokens see each other as the cache stores them
-            k, v = kv_quant.as_stored(k, self.key_cache.dtype), kv_quant.as_stored(v, self.key_cache.dtype)
+            dtype = self.key_cache.dtype
+            k, v = kv_quant.as_stored(k, dtype, self.k_scale), kv_quant.as_stored(v, dtype, self.v_scale)
         o, lse = backend.prefill_new(q[:, self.new_heads], k, v, md.prefill, self.scale, need_lse=context)
         o = o.reshape(o.shape[0], -1)[:, self.new_columns]
         if not context:
             return o
-        oc, lse_c = attend_cache(
-            backend, self.spec, q, self.key_cache, self.value_cache, md.prefill_context, self.scale, True
-        )
+        oc, lse_c = self._attend_cache(q, md, md.prefill_context, True)
         merged, _ = merge_attention(o.unsqueeze(-1), lse.index_select(1, self.new_head_of_col), oc.unsqueeze(-1), lse_c)
         return merged.squeeze(-1)
 

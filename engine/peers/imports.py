@@ -121,6 +121,7 @@ def _vllm_table() -> dict[str, str]:
 
 VLLM_SWITCHES = {
     "--enforce-eager",
+    "--calculate-kv-scales",
     "--enable-prefix-caching",
     "--no-enable-prefix-caching",
     "--enable-chunked-prefill",
@@ -185,6 +186,8 @@ def import_vllm(env: dict[str, str], words: list[str]) -> Imported:
             out.settings["scheduler.chunked_prefill"] = flag == "--enable-chunked-prefill"
         elif flag == "--enforce-eager":
             out.settings["model.enforce_eager"] = True
+        elif flag == "--calculate-kv-scales":
+            out.settings["cache.calculate_kv_scales"] = True
         elif value is None:
             out.not_understood.append(flag)
         elif flag == "--model":

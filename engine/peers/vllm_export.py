@@ -32,6 +32,7 @@ CARRIED = {
     "parallel.dcp_comm_backend",
     "cache.block_size",
     "cache.dtype",
+    "cache.calculate_kv_scales",
     "cache.memory",
     "cache.prefix_caching",
     "scheduler.max_num_seqs",
@@ -185,6 +186,8 @@ def serve_argv(facts: PlanFacts, dcp: int, port: int) -> tuple[list[str], dict[s
         )
     elif c.dtype != "auto":
         argv += [flag("cache.dtype"), c.dtype]
+    if c.calculate_kv_scales:
+        argv.append(flag("cache.calculate_kv_scales"))
     mem_args, env, mem_gaps = _memory(facts)
     argv += mem_args
     gaps += mem_gaps

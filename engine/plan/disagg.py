@@ -57,6 +57,14 @@ def check_pair(problems: PlanProblems, res: ResolvedPlan, prefill: PlanCheck) ->
         problems.error("disagg.prefill", f"prefill plan {prefill.name} is itself a P/D plan; name a plain plan")
     if other is not None and prefill.valid:
         _check_models(problems, res, other)
+    calibrating = [side for side, r in (("prefill", other), ("decode", res)) if r and r.plan.cache.calculate_kv_scales]
+    if calibrating:
+        problems.error(
+            "cache.calculate_kv_scales",
+            f"cache.calculate_kv_scales is set on the {' and '.join(calibrating)} side: each instance would calibrate "
+            "its own fp8 scales, and the decode side must read the prefill side's KV with the scales it was stored "
+            "with; drop it on both (both then use the checkpoint's k_scale/v_scale, else 1.0)",
+        )
     from engine.kv_transfer import transport  # not at the top: only P/D plans look for the transport
 
     reason = transport.unavailable_reason()

@@ -80,6 +80,12 @@ def check_fields(problems: PlanProblems, res: ResolvedPlan) -> None:
         )
     else:
         _choice(problems, "parallel.dcp_comm_backend", p.dcp_comm_backend, FIELD_CHOICES["parallel.dcp_comm_backend"])
+    if c.calculate_kv_scales and not c.dtype.startswith("fp8"):
+        problems.error(
+            "cache.calculate_kv_scales",
+            f"cache.calculate_kv_scales calibrates an fp8 cache's scales, but cache.dtype is {c.dtype}; "
+            "set cache.dtype=fp8 (or fp8_e4m3, fp8_e5m2) or drop cache.calculate_kv_scales",
+        )
     if p.dcp == 1 and p.dcp_comm_backend == "a2a":
         problems.notes.append("parallel.dcp_comm_backend=a2a has no effect with parallel.dcp=1")
     if s.max_num_seqs < 1:

@@ -46,6 +46,7 @@ VLLM_FLAGS = {
     "parallel.dcp_comm_backend": "--dcp-comm-backend",
     "cache.block_size": "--block-size",
     "cache.dtype": "--kv-cache-dtype",
+    "cache.calculate_kv_scales": "--calculate-kv-scales",
     "cache.memory": "--gpu-memory-utilization (a fraction)",
     "cache.prefix_caching": "--enable-prefix-caching",
     "scheduler.max_num_seqs": "--max-num-seqs",
@@ -87,8 +88,12 @@ class CacheSection:
     # Must hold one max_model_len sequence; a CPU plan's budgets on one node must fit its RAM.
     memory: str = "1GiB"
     # auto: the model dtype; a narrower cache stores rounded keys and values. fp8 | fp8_e4m3 | fp8_e5m2 (vLLM's
-    # --kv-cache-dtype; fp8 = fp8_e4m3): one byte per element, scale 1.0, saturating at the format's largest value
+    # --kv-cache-dtype; fp8 = fp8_e4m3): one byte per element, value / scale saturating at the format's largest value,
+    # with per-layer K and V scales: the checkpoint's k_scale / v_scale tensors, else 1.0
     dtype: str = "auto"
+    # fp8 cache: scales from the first prefill instead (vLLM's calculate_kv_scales): largest |key| / 200, largest
+    # |value| / 100 per layer, over all ranks; not with a P/D hand-off (both sides must hold the same scales)
+    calculate_kv_scales: bool = False
     prefix_caching: bool = True  # reuse cached KV blocks of identical prompt prefixes
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import threading
 from contextlib import suppress
 from dataclasses import dataclass
@@ -19,7 +20,9 @@ import torch
 from engine import dcp, kv_quant
 from engine.attention import kv_cache
 from engine.attention.backend import AttentionBackend, AttentionMetadata, PagedKV, PrefillNew, step_metadata
+from engine.checkpoints.kv_scales import read_kv_scales
 from engine.distributed import ParallelContext, gather_objects
+from engine.errors import UserError
 from engine.kernels.cpu_gemm import cpu_paths_line, pack_linears
 from engine.kernels.cpu_kernels import bind_threads
 from engine.kv_transfer.handles import KVRole, PullReport
@@ -42,6 +45,16 @@ class CacheLayout:
     block_size: int
     interleave: int
     dtype: torch.dtype
+    calculate_scales: bool = False  # an fp8 cache: scales from the first prefill (cache.calculate_kv_scales)
+
+
+def calibration_line(scales: list[tuple[float, float]], tokens: int) -> str:
+    """What a calibration set: the range of the layers' K and V scales."""
+    ks, vs = [k for k, _ in scales], [v for _, v in scales]
+    return (
+        f"fp8 KV scales calibrated from the first prefill ({tokens} tokens): k_scale {min(ks):.4g}..{max(ks):.4g}, "
+        f"v_scale {min(vs):.4g}..{max(vs):.4g} over {len(scales)} layers"
+    )
 
 
 @dataclass
@@ -74,6 +87,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous)
         load_checkpoint(self.model, folder, self.model.checkpoint_name_map)
+        self.folder = folder
         self.gemms = pack_linears(self.model)
         self.dtype = dtype
         self.cpu_paths: str | None = None  # the start-up line of a CPU rank, once its cache is allocated
@@ -86,6 +100,7 @@ class ModelRunner:
         self.thread_cores: tuple[int, ...] | None = None  # where the stepping thread's OpenMP team is pinned
         self._pinned: tuple[int, set[int]] | None = None  # the stepping thread's id and its CPU set before
         self.graphs: DecodeGraphs | None = None
+        self._report_calibration = False  # the first step with a prefill calibrates the scales: say what they are
 
     def allocate_cache(self, layout: CacheLayout) -> None:
         """One allocation for all layers, in the backend's preferred layout; each attention layer gets views of it."""
@@ -107,12 +122,39 @@ class ModelRunner:
         )
         for layer, (keys, values) in zip(layers, views, strict=True):
             layer.key_cache, layer.value_cache = keys, values
+        if kv_quant.is_fp8(layout.dtype):
+            self._set_kv_scales(layers, layout.calculate_scales)
+
+    def _set_kv_scales(self, layers: list[PagedAttention], calculate: bool) -> None:
+        """An fp8 cache's scales, as vLLM sets them: calibrated from the first prefill when asked, else the
+        checkpoint's k_scale / v_scale, else 1.0."""
+        if calculate:
+            for layer in layers:
+                layer.calibrating = True
+            self._report_calibration = True
+            return
+        for index, (k, v) in read_kv_scales(self.folder, layers[0].value_in_key).items():
+            if index >= len(layers):
+                raise UserError(
+                    f"{self.folder}: the checkpoint has KV cache scales for layer {index}, but the model has "
+                    f"{len(layers)} layers; is config.json from the same checkpoint?"
+                )
+            layer = layers[index]
+            layer.k_scale = layer.k_scale if k is None else kv_quant.fp32(k)
+            layer.v_scale = layer.v_scale if v is None else kv_quant.fp32(v)
+
+    @property
+    def kv_scales(self) -> list[tuple[float, float]]:
+        """(k_scale, v_scale) of every layer's cache, in layer order."""
+        return [m.scales for m in self.model.modules() if isinstance(m, PagedAttention)]
 
     def capture_graphs(self, max_num_seqs: int, max_model_len: int) -> str:
         """Capture decode steps of 1..max_num_seqs sequences as CUDA graphs (after `allocate_cache`); returns the
         start-up line that says what was captured, or why decode runs eagerly."""
         if self.device.type != "cuda":
             return "CUDA graphs: off (CPU)"
+        if self.cache_layout.calculate_scales:
+            return "CUDA graphs: off (cache.calculate_kv_scales: the first prefill sets the scales graphs would read)"
         if self.backend.name not in GRAPH_BACKENDS:
             return f"CUDA graphs: off (attention.backend {self.backend.name}; graphs need {', '.join(GRAPH_BACKENDS)})"
         c = self.cache_layout
@@ -302,6 +344,10 @@ class ModelRunner:
         input_ids, positions, metadata = self.prepare_inputs(step)
         with step_metadata(metadata):
             hidden = self.model(input_ids, positions)
+        if self._report_calibration and metadata.prefill is not None:
+            self._report_calibration = False
+            if self.par.is_driver:
+                print(f"dcpctl: {calibration_line(self.kv_scales, metadata.num_prefill_tokens)}", file=sys.stderr)
         if not self.par.computes_logits:
             return None
         rows: list[int] = []

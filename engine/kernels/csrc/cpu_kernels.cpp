@@ -6,8 +6,9 @@
 //   rms_norm      HF's RMSNorm (fp32 statistics, rounding as HF rounds), optionally after the residual add.
 //   rotary        rotary embedding of a [tokens, heads, dim] view, in fp32 as torch computes it (same bits).
 //   store_kv      new keys/values into the paged cache through the slot mapping.
-//   (store_kv, rotary_store_kv and paged_decode also take fp8 caches, e4m3fn and e5m2: stored rounded to nearest and
-//   saturated as torch's clamp-then-convert stores them, read back through a 256-entry table, exact.)
+//   (store_kv, rotary_store_kv and paged_decode also take fp8 caches, e4m3fn and e5m2: value / scale stored rounded to
+//   nearest and saturated as torch's clamp-then-convert stores them, read back through a 256-entry table, exact; the
+//   caller folds the scales into paged_decode's softmax scale and output.)
 //   rotary_store_kv  rotary of a layer's query and key heads and the store of its keys and values, in one op.
 //   paged_decode  one query per sequence against its paged keys/values: exact softmax in fp32,
 //                 returning the log-sum-exp per head (the DCP merge needs it).
@@ -244,10 +245,15 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
-// One head's row into the cache, converted to the cache's dtype through fp32.
+// One head's row into the cache, converted to the cache's dtype through fp32; an fp8 cache stores value / scale (a
+// float cache's scale is 1: exact), the bytes of `kv_quant.to_cache`.
 template <typename In, typename C>
-inline void store_row(const In* __restrict__ from, C* __restrict__ to, int64_t dim) {
-  for (int64_t i = 0; i < dim; ++i) to[i] = from_float<C>(to_float(from[i]));
+inline void store_row(const In* __restrict__ from, C* __restrict__ to, int64_t dim, float scale) {
+  for (int64_t i = 0; i < dim; ++i) to[i] = from_float<C>(to_float(from[i]) / scale);
+}
+
+void check_scale(double scale, const char* op) {
+  TORCH_CHECK(std::isfinite(scale) && scale > 0, op, ": a KV cache scale must be positive and finite");
 }
 
 void check_cache_view(const at::Tensor& cache, const at::Tensor& slots, int64_t tokens, const char* op) {
@@ -258,8 +264,9 @@ void check_cache_view(const at::Tensor& cache, const at::Tensor& slots, int64_t 
 
 // A layer's cache view [blocks, block_size, heads, dim] in any layout whose last dim is contiguous (the
 // torch backend's storage is head-major behind it); new_kv [tokens, heads, dim].
-void store_kv(const at::Tensor& new_kv, at::Tensor& cache, const at::Tensor& slots) {
+void store_kv(const at::Tensor& new_kv, at::Tensor& cache, const at::Tensor& slots, double scale) {
   const int64_t tokens = new_kv.size(0);
+  check_scale(scale, "store_kv");
   check_cache_view(cache, slots, tokens, "store_kv");
   const int64_t block = cache.size(1), heads = cache.size(2), dim = cache.size(3);
   TORCH_CHECK(new_kv.dim() == 3 && new_kv.size(1) == heads && new_kv.size(2) == dim, "store_kv: new_kv [tokens, heads, D] expected");
@@ -276,7 +283,7 @@ void store_kv(const at::Tensor& new_kv, at::Tensor& cache, const at::Tensor& slo
         const int64_t b = slot[t] / block, off = slot[t] % block;
         for (int64_t h = 0; h < heads; ++h) {
           store_row(src + t * new_kv.stride(0) + h * new_kv.stride(1),
-                    dst + b * cache.stride(0) + off * cache.stride(1) + h * cache.stride(2), dim);
+                    dst + b * cache.stride(0) + off * cache.stride(1) + h * cache.stride(2), dim, float(scale));
         }
       }
     });
@@ -288,7 +295,8 @@ void store_kv(const at::Tensor& new_kv, at::Tensor& cache, const at::Tensor& slo
 // views [blocks, B, Hkv, D] at `slots` as `store_kv` writes them (-1: another DCP rank's token, skipped). One op per
 // layer instead of three, each token's rows rotated and stored while they are in L1.
 std::tuple<at::Tensor, at::Tensor> rotary_store_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
-                           at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slots) {
+                           at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slots, double k_scale,
+                           double v_scale) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.stride(2) == 1,
               "rotary_store_kv: qkv [tokens, q heads + 2 kv heads, dim] with a contiguous last dim expected");
   const int64_t tokens = qkv.size(0), dim = qkv.size(2);
@@ -300,6 +308,8 @@ std::tuple<at::Tensor, at::Tensor> rotary_store_kv(const at::Tensor& qkv, const 
               "rotary_store_kv: key and value caches [blocks, B, Hkv, D] of one dtype expected");
   TORCH_CHECK(q_heads >= 0, "rotary_store_kv: qkv has fewer heads than twice the cache's");
   check_rotary_tables(cos, sin, tokens, dim, "rotary_store_kv");
+  check_scale(k_scale, "rotary_store_kv");
+  check_scale(v_scale, "rotary_store_kv");
   const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
   at::Tensor q_out = at::empty({tokens, q_heads, dim}, qkv.options());
   at::Tensor k_out = at::empty({tokens, kv_heads, dim}, qkv.options());
@@ -330,8 +340,8 @@ std::tuple<at::Tensor, at::Tensor> rotary_store_kv(const at::Tensor& qkv, const 
           }
           if (slot[t] < 0) continue;  // another DCP rank stores this token
           for (int64_t h = 0; h < kv_heads; ++h) {
-            store_row(k + h * dim, dest(0, t, h), dim);
-            store_row(x + (rotated + h) * qkv.stride(1), dest(1, t, h), dim);
+            store_row(k + h * dim, dest(0, t, h), dim, float(k_scale));
+            store_row(x + (rotated + h) * qkv.stride(1), dest(1, t, h), dim, float(v_scale));
           }
         }
       });
@@ -1334,10 +1344,10 @@ std::vector<int64_t> bind_threads(at::IntArrayRef cores) {
 TORCH_LIBRARY(dcpctl, m) {
   m.def("rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, bool interleaved) -> Tensor");
-  m.def("store_kv(Tensor new_kv, Tensor(a!) cache, Tensor slots) -> ()");
+  m.def("store_kv(Tensor new_kv, Tensor(a!) cache, Tensor slots, float scale) -> ()");
   m.def(
       "rotary_store_kv(Tensor qkv, Tensor cos, Tensor sin, bool interleaved, Tensor(a!) key_cache, "
-      "Tensor(b!) value_cache, Tensor slots) -> (Tensor, Tensor)");
+      "Tensor(b!) value_cache, Tensor slots, float k_scale, float v_scale) -> (Tensor, Tensor)");
   m.def(
       "paged_decode(Tensor q, Tensor key_cache, Tensor? value_cache, Tensor block_tables, Tensor lens, float scale, "
       "int value_dim) -> (Tensor, Tensor)");
