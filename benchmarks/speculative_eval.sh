@@ -5,6 +5,7 @@
 #
 #   LAYOUT=tp1_dcp1 LIMIT=100 bash benchmarks/speculative_eval.sh [OUTPUT_DIR]   # default runs/speculative_eval_$LAYOUT
 #   LAYOUT=tp1_dcp2_i16 ...                                                     # the dcp2 interleave-16 variants
+#   KS="2 8" NUM_CONCURRENT=1 ...                                               # only these k (default 2 4 8)
 #
 # The k = 2 and k = 8 plans are the shipped k = 4 plan (`base:`) with num_speculative_tokens changed, written into
 # OUTPUT_DIR/plans. Each target is evaluated in its own run (under HEAVY_LOCK when set, e.g. /tmp/dcpctl-heavy.lock,
@@ -22,7 +23,7 @@ mkdir -p "$plans"
 base="plans/cpu/smollm2_$layout.yaml"
 shipped="$PWD/plans/cpu/smollm2_${layout}_ngram4.yaml"
 targets=("$base")
-for k in 2 4 8; do
+for k in ${KS:-2 4 8}; do
     plan="$plans/smollm2_${layout}_ngram$k.yaml"
     printf 'base: %s\nname: smollm2_%s_ngram%s\nspeculative_config:\n  num_speculative_tokens: %s\n' \
         "$shipped" "$layout" "$k" "$k" >"$plan"

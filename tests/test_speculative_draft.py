@@ -46,6 +46,20 @@ def test_greedy_equals_plain_and_hf(tmp_path, tiny_models, noisy_drafts, monkeyp
             spy.assert_all_kinds()
 
 
+def assert_draft_kv(tmp_path, draft, settings, drafter_runner, block_table: list[int], tokens: list[int]) -> None:
+    """The drafter's KV of the tokens' positions (through `block_table`) is what the draft model alone computes for
+    them."""
+    with LLM(write_plan(tmp_path, draft, settings, "draft.yaml")) as alone:
+        d = alone.engine.add_request(tokens, greedy(2))
+        alone.engine.step()  # the draft's prefill of those tokens
+        torch.testing.assert_close(
+            kv_of_positions(drafter_runner, block_table, len(tokens)),
+            kv_of_positions(alone.engine.runner, d.block_table, len(tokens)),
+            rtol=1e-4,
+            atol=1e-4,
+        )
+
+
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v2"])
 def test_rollback_keeps_both_caches_those_of_the_accepted_tokens(tmp_path, tiny_models, noisy_drafts, arch):
     """After rejections: the block pool (free order, reference counts, block table) is the plain run's at the same
@@ -78,7 +92,7 @@ def test_rollback_keeps_both_caches_those_of_the_accepted_tokens(tmp_path, tiny_
                 blocks.ref_counts,
                 blocks.num_free_blocks,
             )
-            assert blocks.cached.items() <= pb.cached.items()  # registered once the draft's KV is there too
+            assert blocks.cached == pb.cached
             torch.testing.assert_close(
                 kv_of_positions(spec.engine.runner, s.block_table, s.num_computed_tokens),
                 kv_of_positions(plain.engine.runner, p.block_table, p.num_computed_tokens),
@@ -93,16 +107,7 @@ def test_rollback_keeps_both_caches_those_of_the_accepted_tokens(tmp_path, tiny_
                 plain.engine.step()
             assert p.token_ids == s.token_ids
             assert blocks.num_free_blocks == pb.num_free_blocks == blocks.num_blocks
-        drafter_runner = spec.engine.drafter.runner
-        with LLM(write_plan(tmp_path, draft, settings, "draft.yaml")) as alone:
-            d = alone.engine.add_request(s.token_ids[:held], greedy(2))
-            alone.engine.step()  # the draft's prefill of those tokens
-            torch.testing.assert_close(
-                kv_of_positions(drafter_runner, table, held),
-                kv_of_positions(alone.engine.runner, d.block_table, held),
-                rtol=1e-4,
-                atol=1e-4,
-            )
+        assert_draft_kv(tmp_path, draft, settings, spec.engine.drafter.runner, table, s.token_ids[:held])
 
 
 def test_chunked_prefill_preemption_and_prefix_cache_alongside(tmp_path, tiny_models, noisy_drafts, monkeypatch):
@@ -130,6 +135,37 @@ def test_chunked_prefill_preemption_and_prefix_cache_alongside(tmp_path, tiny_mo
         tokens, logprobs = hf_greedy(target, ids, NEW_TOKENS)
         assert out.token_ids == tokens, f"prompt of {len(ids)} tokens diverged"
         assert max(abs(lp.logprob - x) for lp, x in zip(out.logprobs, logprobs, strict=True)) < LOGPROB_TOL
+
+
+def test_a_paused_draft_runs_no_forward_and_catches_up_after(tmp_path, tiny_models, noisy_drafts):
+    """Two requests above disable_by_batch_size=1: no proposals and no draft forward while both run (the blocks the
+    target fills still enter the prefix cache); once the short one finishes, the other's first verification catches
+    the draft up on every token it skipped in one forward (its KV then the draft alone's), and both outputs are
+    HF's token for token."""
+    target, draft = tiny_models("llama"), noisy_drafts("llama")
+    settings = {"cache.block_size": 4, "speculative_config.disable_by_batch_size": 1}
+    short, long = prompt_ids(2, [10, 17], seed=5)
+    with LLM(write_plan(tmp_path, target, drafted(draft, **settings), "spec.yaml")) as llm:
+        engine, runner = llm.engine, llm.engine.drafter.runner
+        forwards: list[list[int]] = []  # the draft's forwards: each chunk's token count
+        execute = runner.execute
+        runner.execute = lambda step: forwards.append([len(c.token_ids) for c in step.chunks]) or execute(step)
+        a, b = engine.add_request(short, greedy(8)), engine.add_request(long, greedy(40))
+        while not a.is_finished:
+            engine.step()
+        assert forwards == [] and a.spec.proposed == b.spec.proposed == 0
+        assert len(engine.blocks.cached) >= len(long) // 4
+        skipped = len(b)
+        while b.spec.verifications < 3:
+            engine.step()
+        assert forwards[0] == [skipped], "the first verification did not catch the draft up from the start"
+        held, table = min(b.draft_cached, b.num_computed_tokens), list(b.block_table)
+        while engine.has_unfinished():
+            engine.step()
+        assert b.spec.proposed > 0
+        for ids, seq in ((short, a), (long, b)):
+            assert seq.output_token_ids == hf_greedy(target, ids, seq.params.max_tokens)[0]
+        assert_draft_kv(tmp_path, draft, settings, runner, table, b.token_ids[:held])
 
 
 def test_sampled_tokens_are_distributed_as_without_speculation(tmp_path, tiny_models, noisy_drafts, monkeypatch):

@@ -116,14 +116,11 @@ class BlockManager:
             self.free.move_to_end(block, last=not self.prefix_caching)
 
     def commit(self, seq: Sequence) -> None:
-        """Register the sequence's blocks that are now full of computed tokens as reusable (with a draft model,
-        whose cache shares the block ids, once the draft's KV of them is valid too)."""
+        """Register the sequence's blocks that are now full of computed tokens as reusable (the target's KV: a draft
+        model, whose cache shares the block ids, computes a sequence that reuses them from its start)."""
         if not self.prefix_caching:
             return
-        computed = seq.num_computed_tokens
-        if seq.draft_cached is not None:
-            computed = min(computed, seq.draft_cached)
-        full = computed // self.span
+        full = seq.num_computed_tokens // self.span
         for i, h in enumerate(self._hash_chain(seq, full)[:full]):
             block = seq.block_table[i]
             if self.block_hash[block] is None and h not in self.cached:

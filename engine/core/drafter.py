@@ -6,14 +6,17 @@ are wanted (the scheduler and the verifier live there); a draft small enough to 
 sharding that would not be lost to a collective per draft token; and the other ranks receive its proposals inside
 the step plan, as they receive ngram's. Its cache uses the target's block ids: draft block b holds the draft's KV of
 the positions the target's virtual block b covers (block_size x dcp tokens), so the block manager's allocation,
-prefix cache, preemption and rollback govern both caches at once.
+preemption and rollback govern both caches at once. A prefix-cache hit carries only the target's KV: the draft
+computes a sequence from its start (`draft_cached` is 0 for a new or requeued sequence).
 
-Each step, before it is sent: pass 1 runs, for every chunk of the step, the tokens the draft has not cached up to
-the chunk's last known token (a prompt chunk: the chunk itself; a decode: its token, plus one more after a
-verification accepted every proposal), and takes the logits of each verifying chunk's last known token: its first
-proposal. Passes 2..k feed each proposal back (one-token decodes) for the next. `Sequence.draft_cached` counts the
-positions of valid draft KV from the start; where it runs past the target's computed tokens (rejected proposals),
-the next pass 1 starts at the target's count and overwrites them.
+The draft runs only in steps that propose, and only for the sequences that verify: while the scheduler proposes
+nothing (above disable_by_batch_size, a prompt chunk, no room left) it costs nothing, and a sequence catches up on
+the tokens it skipped at its next verification. Then pass 1 runs, for each verifying chunk, the tokens the draft has
+not cached up to the chunk's last known token (one after a verification that rejected a proposal, two after one that
+accepted every proposal, all of them at a sequence's first verification, those since the last after a pause) and
+takes the logits of that last token: its first proposal. Passes 2..k feed each proposal back (one-token decodes) for
+the next. `Sequence.draft_cached` counts the positions of valid draft KV from the start; where it runs past the
+target's computed tokens (rejected proposals), the next pass 1 starts at the target's count and overwrites them.
 """
 
 from __future__ import annotations
@@ -56,26 +59,25 @@ class Drafter:
         self.probs: dict[int, torch.Tensor] = {}  # seq_id -> the draft's distributions of its proposals (sampled)
 
     def propose(self, step: ScheduledStep, seqs: list[Sequence], generators: dict[int, torch.Generator]) -> None:
-        """Bring the draft's cache up to every chunk's known tokens and fill in each verifying chunk's proposals
-        (the scheduler leaves `num_draft` placeholders): greedy rows take the draft's argmax, sampled rows draw
-        from the draft's distribution under the request's parameters and generator (kept for `take`)."""
+        """Fill in each verifying chunk's proposals (the scheduler leaves `num_draft` placeholders), first bringing
+        the draft's cache up to its known tokens: greedy rows take the draft's argmax, sampled rows draw from the
+        draft's distribution under the request's parameters and generator (kept for `take`). A step without a
+        verifying chunk runs no draft forward."""
         self.probs = {}
+        verifying = [(seq, chunk) for seq, chunk in zip(seqs, step.chunks, strict=True) if chunk.num_draft]
+        if not verifying:
+            return
         catch_up: list[ScheduledChunk] = []
-        verifying: list[tuple[Sequence, ScheduledChunk]] = []
-        for seq, chunk in zip(seqs, step.chunks, strict=True):
+        for seq, chunk in verifying:
             known = chunk.start + len(chunk.token_ids) - chunk.num_draft
             start = min(seq.draft_cached, chunk.start)
-            catch_up.append(
-                ScheduledChunk(seq.seq_id, seq.token_ids[start:known], start, chunk.block_table, chunk.num_draft > 0)
-            )
+            catch_up.append(ScheduledChunk(seq.seq_id, seq.token_ids[start:known], start, chunk.block_table, True))
             seq.draft_cached = known
-            if chunk.num_draft:
-                verifying.append((seq, chunk))
-        # the runner takes multi-token chunks first; the verifying ones' logits come back in that order
+        # the runner takes multi-token chunks first; the logits come back in that order
         catch_up.sort(key=ScheduledChunk.is_decode.fget)
         logits = self._run(catch_up)
-        order = {c.seq_id: i for i, c in enumerate(c for c in catch_up if c.sample)}
-        logits = logits[[order[seq.seq_id] for seq, _ in verifying]] if verifying else logits
+        order = {c.seq_id: i for i, c in enumerate(catch_up)}
+        logits = logits[[order[seq.seq_id] for seq, _ in verifying]]
         proposals: list[list[int]] = [[] for _ in verifying]
         q_rows: list[list[torch.Tensor]] = [[] for _ in verifying]
         active = list(range(len(verifying)))

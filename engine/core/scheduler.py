@@ -80,6 +80,8 @@ class Scheduler:
         self.blocks.release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        if seq.draft_cached is not None:  # the draft's KV went with the blocks (a prefix hit brings only the target's)
+            seq.draft_cached = 0
         self.waiting.appendleft(seq)
 
     def _preempt(self, seq: Sequence) -> None:
