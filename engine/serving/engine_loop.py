@@ -206,7 +206,7 @@ class EngineLoop:
                 self._snapshot()  # before the outputs go out: a client reading the stats after its answer sees its step
                 if outputs is not None:
                     self._publish(outputs)
-                    self.stats = {**self.stats, "requests_in_flight": len(self._handles)}
+                    self.stats["requests_in_flight"] = len(self._handles)  # this step's own dict: no copy
         except Exception as exc:
             logger.exception("the engine failed; failing the requests in flight")
             self.error = f"{type(exc).__name__}: {exc}"
