@@ -38,6 +38,19 @@ def test_a_layout_vllm_cannot_run_fails_before_launching_with_the_exports_reason
     ]
 
 
+def test_a_pd_plan_vllm_could_run_is_refused_before_launching_with_what_to_do_instead(make_plan, tmp_path):
+    from tests.conftest import mla_fields, write_config
+
+    mla = write_config(tmp_path / "mla", **mla_fields(num_attention_heads=8))
+    make_plan(f"model: {{path: {mla}}}\nparallel: {{tp: 4}}\ncache: {{block_size: 16}}\n", "p.yaml")
+    decode = make_plan("base: p.yaml\nname: d\nparallel: {tp: 4, dcp: 4, interleave: 16}\ndisagg: {prefill: p.yaml}\n")
+    assert resolve_targets([str(decode)], ["engine.name=vllm"]).problems == [
+        "plan d: dcpctl launches one `vllm serve` per target, and vLLM's P/D needs 2 instances joined by NIXL and a "
+        f"proxy of its own; start those from `dcpctl plan export {decode} --to vllm` and give eval their URL, or use "
+        "engine.name=dcpctl"
+    ]
+
+
 def test_no_vllm_or_a_venv_without_it_is_one_line(monkeypatch, tmp_path):
     monkeypatch.delenv("DCPCTL_VLLM_PYTHON", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))

@@ -28,7 +28,11 @@ def vllm_instance(plan: str, overrides: list[str]) -> tuple[PlanFacts, Instance,
             f"plan {facts.plan.name}: vLLM cannot run it ({reasons}); use engine.name=dcpctl for this layout"
         )
     if len(export.instances) != 1:
-        raise UserError(f"plan {facts.plan.name}: a P/D plan is not served by vLLM here; use engine.name=dcpctl")
+        raise UserError(
+            f"plan {facts.plan.name}: dcpctl launches one `vllm serve` per target, and vLLM's P/D needs "
+            f"{len(export.instances)} instances joined by NIXL and a proxy of its own; start those from `dcpctl plan "
+            f"export {plan} --to vllm` and give eval their URL, or use engine.name=dcpctl"
+        )
     python = find_vllm_python(facts.plan.engine.python)
     if python is None:
         raise UserError(
