@@ -66,29 +66,35 @@ def render_export(export: Export) -> str:
     return "\n".join(out)
 
 
-def _check_with_vllm(export: Export, python: str | None) -> None:
-    """Put the installed vLLM's verdict on every instance's command into `export.checked` (and a blocking gap for
-    a rejection)."""
-    from engine.peers.vllm_check import PYTHON_ENV, check_serve_args, find_vllm_python
+def _check_installed(export: Export, python: str | None) -> None:
+    """Put the installed engine's verdict (vLLM or SGLang) on every instance's command into `export.checked` (and
+    a blocking gap for a rejection)."""
+    if export.engine == "vllm":
+        from engine.peers.vllm_check import PYTHON_ENV, check_serve_args, find_vllm_python
 
-    found = find_vllm_python(python)
+        found, check, script = find_vllm_python(python), check_serve_args, "vllm"
+    else:
+        from engine.peers.sglang_check import PYTHON_ENV, check_launch_args, find_sglang_python
+
+        found, check, script = find_sglang_python(python), check_launch_args, "sglang"
+    name = ENGINE_NAMES[export.engine]
     if found is None:
-        export.checked = f"nothing: no vLLM found (set ${PYTHON_ENV} or put `vllm` on PATH)"
+        export.checked = f"nothing: no {name} found (set ${PYTHON_ENV} or put `{script}` on PATH)"
         return
-    verdicts = [check_serve_args(found, i.argv, i.env) for i in export.instances]
+    verdicts = [check(found, i.argv, i.env) for i in export.instances]
     for instance, verdict in zip(export.instances, verdicts, strict=True):
         if not verdict.ok:
             role = "" if instance.role == "serve" else f"{instance.role}: "
             export.gaps.append(
                 Gap(
                     "layout",
-                    f"{role}the installed vLLM rejects the command: {verdict.error}",
-                    f"vLLM {verdict.version} ({verdict.stage} check)",
+                    f"{role}the installed {name} rejects the command: {verdict.error}",
+                    f"{name} {verdict.version} ({verdict.stage} check)",
                     blocking=True,
                 )
             )
     ok = all(v.ok for v in verdicts)
-    export.checked = f"vLLM {verdicts[0].version} ({found}): " + (
+    export.checked = f"{name} {verdicts[0].version} ({found}): " + (
         "accepted by its argument parser and config validation" if ok else "rejected (see above)"
     )
 
@@ -101,10 +107,14 @@ def export(
         bool, typer.Option(help="When the engine cannot run the plan, print the closest it runs (exit 0).")
     ] = False,
     check: Annotated[
-        bool, typer.Option(help="vLLM: check the command against the installed vLLM (when one is found).")
+        bool, typer.Option(help="vLLM, SGLang: check the command against the installed engine (when one is found).")
     ] = True,
     vllm_python: Annotated[
         str | None, typer.Option(help="The python of a venv with vLLM (default: $DCPCTL_VLLM_PYTHON, else PATH).")
+    ] = None,
+    sglang_python: Annotated[
+        str | None,
+        typer.Option(help="The python of a venv with SGLang (default: $DCPCTL_SGLANG_PYTHON, else PATH)."),
     ] = None,
 ) -> None:
     """Print what vLLM, SGLang or TensorRT-LLM needs to run the same layout; exit 1 when it cannot."""
@@ -115,12 +125,12 @@ def export(
         raise UserError(f"--to {to!r} is not an engine dcpctl exports to: choose one of {', '.join(ENGINES)}")
     facts = plan_facts(plans[0], overrides)
     result = export_plan(to, facts)
-    if to != "vllm":
-        result.checked = "nothing: dcpctl checks exports against an installed vLLM only"
+    if to == "trtllm":
+        result.checked = "nothing: dcpctl checks exports against an installed vLLM or SGLang only"
     elif not check:
         result.checked = "nothing (--no-check)"
     elif result.runnable or allow_partial:
-        _check_with_vllm(result, vllm_python or facts.plan.engine.python)
+        _check_installed(result, (vllm_python or facts.plan.engine.python) if to == "vllm" else sglang_python)
     if not result.runnable and not allow_partial:
         console = Console(stderr=True)
         for gap in (g for g in result.gaps if g.blocking):

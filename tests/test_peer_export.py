@@ -30,6 +30,7 @@ RUNNER = CliRunner()
 def pinned_cache(monkeypatch):
     monkeypatch.setenv("DCPCTL_CACHE", "/models")
     monkeypatch.delenv("DCPCTL_VLLM_PYTHON", raising=False)
+    monkeypatch.delenv("DCPCTL_SGLANG_PYTHON", raising=False)
     monkeypatch.chdir(ROOT)
 
 

@@ -17,22 +17,6 @@ from engine.peers.vllm_check import check_serve_args, find_vllm_python, vllm_ver
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_vllm_python_comes_from_the_plan_then_the_environment_then_path(tmp_path, monkeypatch):
-    script = tmp_path / "bin" / "vllm"
-    script.parent.mkdir()
-    script.write_text("#!/opt/venv/bin/python3\nimport sys\n")
-    script.chmod(0o755)
-    monkeypatch.setenv("PATH", str(script.parent))
-    monkeypatch.delenv("DCPCTL_VLLM_PYTHON", raising=False)
-    assert find_vllm_python() == "/opt/venv/bin/python3"
-    monkeypatch.setenv("DCPCTL_VLLM_PYTHON", "/env/python")
-    assert find_vllm_python() == "/env/python"
-    assert find_vllm_python("/plan/python") == "/plan/python"
-    monkeypatch.delenv("DCPCTL_VLLM_PYTHON")
-    monkeypatch.setenv("PATH", str(tmp_path))
-    assert find_vllm_python() is None
-
-
 def test_a_python_without_vllm_is_one_clear_line():
     with pytest.raises(UserError) as err:
         vllm_version(sys.executable)  # the project's venv: vLLM never lives here

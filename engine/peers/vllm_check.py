@@ -7,41 +7,22 @@ dcpctl ships for it, which is all vLLM's config validation reads.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import UserError
+from engine.peers.installed import Verdict, python_of_script, run_check_shim, stand_in_model
 
 SHIM = Path(__file__).with_name("vllm_shim.py")
 PYTHON_ENV = "DCPCTL_VLLM_PYTHON"
-CHECK_TIMEOUT_S = 300.0
-_MODEL_TYPES = {
-    "DeepseekV2ForCausalLM": "deepseek_v2",
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-    "Qwen2ForCausalLM": "qwen2",
-    "LlamaForCausalLM": "llama",
-}
 
 
 def find_vllm_python(explicit: str | None = None) -> str | None:
     """The python of the venv that has vLLM: `explicit` (engine.python), else $DCPCTL_VLLM_PYTHON, else the
     interpreter of the `vllm` script on PATH (its #! line); None when there is none."""
-    chosen = explicit or os.environ.get(PYTHON_ENV)
-    if chosen:
-        return chosen
-    script = shutil.which("vllm")
-    if script is None:
-        return None
-    try:
-        first = Path(script).read_text(errors="replace").splitlines()[0]
-    except (OSError, IndexError):
-        return None
-    return first[2:].strip() if first.startswith("#!") else None
+    return explicit or os.environ.get(PYTHON_ENV) or python_of_script("vllm")
 
 
 def vllm_version(python: str) -> str:
@@ -62,64 +43,10 @@ def vllm_version(python: str) -> str:
     return done.stdout.strip()
 
 
-@dataclass(frozen=True)
-class VllmVerdict:
-    """What the installed vLLM said about one `vllm serve` line."""
-
-    version: str
-    ok: bool
-    error: str  # vLLM's own words, when not ok
-    stage: str  # parser | config: how far the check got
-
-    def describe(self) -> str:
-        if self.ok:
-            return f"vLLM {self.version}: accepted by its argument parser and config validation"
-        return f"vLLM {self.version}: rejected by its {self.stage} check: {self.error}"
-
-
-def _stand_in(model: str, folder: Path) -> str:
-    """A folder vLLM's config validation can read for `model`: the model itself when it is a folder here, else
-    one holding the config.json facts dcpctl ships for it (the model unchanged when there are none)."""
-    if (Path(model).expanduser() / "config.json").is_file():
-        return model
-    from engine.checkpoints.shipped_configs import SHIPPED
-
-    shipped = next((m for m in SHIPPED.values() if m.repo_id == model), None)
-    if shipped is None:
-        return model
-    config = dict(shipped.config)
-    config.setdefault("model_type", _MODEL_TYPES.get(config["architectures"][0], ""))
-    (folder / "config.json").write_text(json.dumps(config))
-    return str(folder)
-
-
-def check_serve_args(python: str, argv: list[str], env: dict[str, str]) -> VllmVerdict:
+def check_serve_args(python: str, argv: list[str], env: dict[str, str]) -> Verdict:
     """vLLM's verdict on `vllm serve ARGS` (argv as exported: 'vllm', 'serve', MODEL, flags...)."""
     args = list(argv[2:])
     with tempfile.TemporaryDirectory(prefix="dcpctl-vllm-check-") as folder:
-        args[0] = _stand_in(args[0], Path(folder))
-        run_env = {
-            **os.environ,
-            **env,
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        }
-        try:
-            done = subprocess.run(
-                [python, str(SHIM), "check", *args],
-                capture_output=True,
-                text=True,
-                env=run_env,
-                timeout=CHECK_TIMEOUT_S,
-                start_new_session=True,
-            )
-        except subprocess.TimeoutExpired:
-            raise UserError(f"the vLLM check ({python}) took over {CHECK_TIMEOUT_S:.0f} s") from None
-        except OSError as exc:
-            raise UserError(f"cannot run the vLLM python {python} ({exc}); set ${PYTHON_ENV}") from None
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("DCPCTL-VLLM-CHECK ")]
-    if not lines:
-        why = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise UserError(f"the vLLM check with {python} failed before a verdict ({why})")
-    data = json.loads(lines[-1].split(" ", 1)[1])
-    return VllmVerdict(data["version"], data["ok"], data["error"], data["stage"])
+        args[0] = stand_in_model(args[0], Path(folder))
+        env = {**env, "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+        return run_check_shim("vLLM", python, SHIM, args, env, PYTHON_ENV)
