@@ -37,6 +37,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "engine.peers.vllm_check",
     ),
     EnvVar(
+        "DCPCTL_SGLANG_PYTHON",
+        "the interpreter of the `sglang` on PATH",
+        "The python of a venv with SGLang: `dcpctl plan export --to sglang` checks its command against that SGLang's "
+        "parser and server-argument checks.",
+        "engine.peers.sglang_check",
+    ),
+    EnvVar(
         "DCPCTL_COLLECTIVE_TIMEOUT",
         "300",
         "Seconds a collective between computing ranks may wait before the run fails (a positive number).",
