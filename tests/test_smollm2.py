@@ -84,7 +84,7 @@ def test_a_prefill_sized_step_matches_hf(tmp_path, smollm2, monkeypatch):
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
     ("interleave", "dense", "comm"),
-    [(1, "replicated", "ag_rs"), (64, "replicated", "ag_rs"), (1, "sharded", "a2a"), (64, "sharded", "ag_rs")],
+    [(64, "replicated", "ag_rs"), (1, "sharded", "a2a")],  # the other pairs: test_dcp_equivalence, tiny models
 )
 def test_tp1_dcp2_replicas_match_hf(tmp_path, smollm2, interleave, dense, comm):
     settings = {"parallel.dcp": 2, "parallel.interleave": interleave, "cache.block_size": 64, "cache.memory": "64MiB"}
