@@ -43,9 +43,9 @@ def runner_metadata(backend, plan: ScheduledStep, layout: CacheLayout, dcp_size:
 
 
 def make_step(block_size: int, dcp_size: int) -> ScheduledStep:
-    """Two prefill chunks (one with cached context) and three decodes; distinct block ids per sequence."""
+    """Three prefill chunks (the middle one with cached context) and three decodes; distinct block ids per sequence."""
     span = block_size * dcp_size
-    shape = [(9, 6), (0, 5), (0, 1), (2, 1), (20, 1)]  # (start, new tokens)
+    shape = [(0, 5), (9, 6), (0, 3), (0, 1), (2, 1), (20, 1)]  # (start, new tokens)
     chunks, next_block = [], 0
     for i, (start, n) in enumerate(shape):
         blocks = -(-(start + n) // span)
@@ -112,7 +112,8 @@ def run_layer(backend, md, world: World, kc, vc, scale):
     backend.write_cache(k, None if world.mla else v, kc, vc, md)
     p = md.num_prefill_tokens
     new = backend.prefill_new(q[:p], k[:p], v[:p], md.prefill, scale, need_lse=True)
-    ctx = backend.paged(q[:p], kc, vc, world.dv, md.prefill_context, scale)
+    lo, hi = md.prefill_context_rows  # the rows of the chunks that have context
+    ctx = backend.paged(q[lo:hi], kc, vc, world.dv, md.prefill_context, scale)
     dec = backend.paged(q[p:], kc, vc, world.dv, md.decode, scale)
     return new, ctx, dec
 
@@ -165,6 +166,7 @@ def check_backend(name, arch, dcp_size, interleave, block_size, device="cpu", dt
         md_o = runner_metadata(ours, plan, layout, dcp_size, rank, device)
         md_r = runner_metadata(ref, plan, layout, dcp_size, rank, device)
         assert md_o.prefill_context is not None and md_o.decode is not None
+        assert md_o.prefill_context_rows == (5, 11)  # the fresh prompts around the chunk attend to no cache
         if dcp_size > 1 and rank == 1:
             assert (md_o.decode.lens == 0).any()  # a 1-token sequence: rank 1 holds none of it
         kc_o, vc_o = world.caches(layout, rank, dcp_size, ours)
@@ -179,7 +181,9 @@ def check_backend(name, arch, dcp_size, interleave, block_size, device="cpu", dt
 
     ctx = tk.merge_partials(torch.stack([p[1][0] for p in partials]), torch.stack([p[1][1] for p in partials]))
     new_o, new_l = partials[0][0]
-    prefill = tk.merge_partials(torch.stack([new_o, ctx[0]]), torch.stack([new_l, ctx[1]]))
+    ctx_o, ctx_l = torch.zeros_like(new_o), torch.full_like(new_l, float("-inf"))  # rows without context: none
+    ctx_o[5:11], ctx_l[5:11] = ctx
+    prefill = tk.merge_partials(torch.stack([new_o, ctx_o]), torch.stack([new_l, ctx_l]))
     decode = tk.merge_partials(torch.stack([p[2][0] for p in partials]), torch.stack([p[2][1] for p in partials]))
     want_o, want_l = full_attention(world, scale)
     assert_close(torch.cat([prefill[0], decode[0]]), want_o, atol)

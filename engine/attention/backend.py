@@ -60,7 +60,10 @@ class AttentionMetadata:
     num_prefill_tokens: int
     num_decode_tokens: int
     prefill: PrefillNew | None = None
-    prefill_context: PagedKV | None = None  # cached context of prefill chunks (None if none has any)
+    # cached context of the prefill chunks from the first to the last that has any (None if none has any); its
+    # queries are the prefill rows prefill_context_rows[0] .. prefill_context_rows[1] - 1
+    prefill_context: PagedKV | None = None
+    prefill_context_rows: tuple[int, int] = (0, 0)
     decode: PagedKV | None = None
     extra: dict = field(default_factory=dict)
 

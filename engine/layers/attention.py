@@ -136,9 +136,14 @@ class PagedAttention(nn.Module):
         o = o.reshape(o.shape[0], -1)[:, self.new_columns]
         if not context:
             return o
-        oc, lse_c = self._attend_cache(q, md, md.prefill_context, True)
-        merged, _ = merge_attention(o.unsqueeze(-1), lse.index_select(1, self.new_head_of_col), oc.unsqueeze(-1), lse_c)
-        return merged.squeeze(-1)
+        lo, hi = md.prefill_context_rows  # a step's fresh prompts have no context: no merge for their rows
+        oc, lse_c = self._attend_cache(q[lo:hi], md, md.prefill_context, True)
+        lse_new = lse[lo:hi].index_select(1, self.new_head_of_col)
+        merged, _ = merge_attention(o[lo:hi].unsqueeze(-1), lse_new, oc.unsqueeze(-1), lse_c)
+        if hi - lo == o.shape[0]:
+            return merged.squeeze(-1)
+        o[lo:hi] = merged.squeeze(-1)  # o is this layer's own output of prefill_new
+        return o
 
 
 def _kv_heads_of(

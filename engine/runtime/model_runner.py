@@ -236,10 +236,14 @@ class ModelRunner:
                 cu_seqlens=cu[: num_prefills + 1], seq_lens=prefill_counts, max_len=max(prefill_counts)
             )
             context = [ch.start for ch in step.chunks[:num_prefills]]
-            if any(context):
+            with_context = [i for i, n in enumerate(context) if n]
+            if with_context:  # only the chunks from the first to the last with context attend to the cache
+                lo, hi = with_context[0], with_context[-1] + 1
                 md.prefill_context = self._paged_kv(
-                    tables[:num_prefills], context, cu[: num_prefills + 1], prefill_counts, need_lse=True
+                    tables[lo:hi], context[lo:hi], cu[lo : hi + 1] - cu[lo], prefill_counts[lo:hi], need_lse=True
                 )
+                first_row = sum(prefill_counts[:lo])
+                md.prefill_context_rows = (first_row, first_row + sum(prefill_counts[lo:hi]))
         if md.num_decode_tokens:
             ends = [ch.start + 1 for ch in step.chunks[num_prefills:]]  # the new token is already in the cache
             md.decode = self._paged_kv(
