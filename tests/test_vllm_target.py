@@ -4,6 +4,7 @@ vLLM that dies mid-measurement each end in one line, with no process of it left 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -13,10 +14,13 @@ import httpx
 import psutil
 import pytest
 
+from engine.checkpoints.pull import pull_model
 from engine.peers.vllm_check import SHIM
 from evals.launch import ServerStartError
 from evals.lifecycle import Launched, measure_target
+from evals.synthetic import write_synthetic_gsm8k
 from evals.targets import resolve_targets
+from tests.test_eval_cmd import invoke
 from tests.test_vllm_check import installed_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,12 +166,6 @@ def test_dcpctl_run_says_how_to_serve_a_vllm_plan():
 def test_an_eval_of_vllm_itself_agrees_with_dcpctls_plan_or_explains_each_difference(tmp_path):
     """The issue's layout-against-layout check on a real vLLM: `dcpctl eval gsm8k --compare` of the tp1/dcp1 plan
     against the same plan with engine vllm, 20 questions (synthetic, GSM8K's format: CI has no GSM8K)."""
-    import json
-
-    from engine.checkpoints.pull import pull_model
-    from evals.synthetic import write_synthetic_gsm8k
-    from tests.test_eval_cmd import invoke
-
     installed_vllm()
     pull_model("smollm2-135m-instruct")
     data, out = write_synthetic_gsm8k(tmp_path / "data", n_test=20, n_train=2), tmp_path / "out"
