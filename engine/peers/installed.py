@@ -59,11 +59,6 @@ class Verdict:
     error: str  # the engine's own words, when not ok
     stage: str  # parser | config: how far the check got
 
-    def describe(self) -> str:
-        if self.ok:
-            return f"{self.engine} {self.version}: accepted by its argument parser and config validation"
-        return f"{self.engine} {self.version}: rejected by its {self.stage} check: {self.error}"
-
 
 def run_check_shim(engine: str, python: str, shim: Path, args: list[str], env: dict[str, str], env_var: str) -> Verdict:
     """Run `python shim check ARGS` (in the engine's venv) and read its one-line JSON verdict after `MARKER`."""
