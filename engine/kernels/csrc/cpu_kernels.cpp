@@ -437,6 +437,13 @@ constexpr bool kVectorDecode = true;
 #else
 constexpr bool kVectorDecode = false;
 #endif
+// bf16 queries against a bf16 cache on an AVX512-BF16 build: the key dot products as vdpbf16ps on the cache's own
+// bits (exact products, fp32 sums), so a key row is neither widened nor re-read per query head.
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+constexpr bool kBf16DotDecode = true;
+#else
+constexpr bool kBf16DotDecode = false;
+#endif
 // AVX2 (x86-64-v3) builds have a path of their own, shaped for 16 registers of 8 lanes (see decode_heads).
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 constexpr bool kVectorDecode8 = true;
@@ -694,8 +701,10 @@ constexpr int64_t kMinChunkTokens = 64;  // below this a context is not worth sp
 // chunk's max score, sum of exp(score - max) and exp-weighted value sum; a second pass merges the
 // chunks of each head exactly (the same algebra as the DCP merge).
 // On AVX-512, compile-time head sizes that are whole vectors (64, 128) take the vector path: a key row in registers against
-// each query head, the value sums of up to 16 vectors of heads in registers over the whole chunk, and each next
-// block's rows prefetched (a batch-16 decode step read its KV at a third of the memory bandwidth without).
+// each query head (bf16 against a bf16 cache with AVX512-BF16: vdpbf16ps on the stored bits), the value sums of up to
+// 16 vectors of heads in registers over the whole chunk, and the next block's keys and this block's values prefetched
+// 16 rows at a time as the keys go by (a batch-16 decode step read its KV at a third of the memory bandwidth without
+// prefetching, and at 0.6-0.75x of this with each whole block asked for at its start).
 // On AVX2 (16 registers of 8 lanes) the same sizes take a path of their own: 8 keys at a time against each query head
 // (the query from L1, the 8 dot products in registers, lane_sums8), then block by block the value sums of up to 4
 // heads over slices of their dims (accumulate_values: at most 8 accumulators in registers), the next block prefetched.
@@ -707,6 +716,10 @@ void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tab
   constexpr bool kVector8 = kVectorDecode8 && FixedDk > 0 && FixedDk % 64 == 0 && FixedDv > 0 && FixedDv % 64 == 0;
   constexpr int64_t kNk8 = FixedDk / kVec8, kNv8 = FixedDv / kVec8;
   constexpr int64_t kHeadsInRegisters = kVector ? std::max<int64_t>(1, 16 / std::max<int64_t>(1, kNv)) : 1;
+  // key dots on bf16 pairs: 32 dims per register, the query's bits as they are (the scale applied to the sums)
+  constexpr bool kBf16Keys = kVector && kBf16DotDecode && FixedDk % (2 * kVec) == 0 &&
+                             std::is_same_v<Q, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>;
+  constexpr int64_t kNk2 = FixedDk / (2 * kVec);
   // compile-time head sizes for the common ones let the compiler unroll the per-token loops
   const int64_t dk = FixedDk ? FixedDk : a.dk, dv = FixedDv ? FixedDv : a.dv;
   const int64_t group = a.heads / a.kv_heads, pairs = a.seqs * a.kv_heads;
@@ -727,7 +740,7 @@ void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tab
     // row: one widened key or value row, or (AVX2 path, bf16) a group of 8 widened keys
     std::vector<float> qf(group * dk), row(std::max(dk, dv) * (kVector8 ? kVec8 : 1));
     std::vector<float> scores(score_rows * score_stride, 0.f), top(group);
-    std::vector<v16> qv(kVector ? group * kNk : 0);
+    std::vector<v16> qv(kVector ? group * kNk : 0);  // kBf16Keys: the query heads' bf16 pairs (kNk2 each)
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / (a.kv_heads * chunks), g = item / chunks % a.kv_heads, c = item % chunks;
       const int64_t from = c * chunk, to = std::min(lens[s], from + chunk), n = to - from;
@@ -738,40 +751,64 @@ void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tab
       auto value_rows = [&](int64_t token) {
         return values + table[token / a.block] * a.value_block_stride + g * a.value_head_stride;
       };
-      const C* next_item_keys = nullptr;  // the AVX2 path's prefetch target after this item's last key block
-      if constexpr (kVector8) {
+      const C* next_item_keys = nullptr;  // the vector paths' prefetch target after this item's last key block
+      if constexpr (kVector || kVector8) {
         const int64_t after = item + 1, s2 = after / (a.kv_heads * chunks), g2 = after / chunks % a.kv_heads;
         const int64_t from2 = after % chunks * chunk;
         if (after < end && from2 < lens[s2])
           next_item_keys =
               keys + tables[s2 * a.max_blocks + from2 / a.block] * a.key_block_stride + g2 * a.key_head_stride;
       }
-      for (int64_t i = 0; i < group * dk; ++i) qf[i] = to_float(q[first_head * dk + i]) * a.scale;
+      if constexpr (!kBf16Keys)
+        for (int64_t i = 0; i < group * dk; ++i) qf[i] = to_float(q[first_head * dk + i]) * a.scale;
       float* __restrict__ widened = row.data();  // restrict: the stores below never alias the loads
       std::fill(top.begin(), top.end(), neg_inf);
-      if constexpr (kVector) {
+      if constexpr (kBf16Keys) {
+        for (int64_t i = 0; i < group * kNk2; ++i) std::memcpy(&qv[i], q + first_head * dk + i * 2 * kVec, sizeof(v16));
+      } else if constexpr (kVector) {
         for (int64_t i = 0; i < group * kNk; ++i) qv[i] = vload16(qf.data() + i * kVec);
       }
       for (int64_t first = from; first < to; first += a.block) {  // one block of keys at a time, in place
         const C* k = key_rows(first);
         const int64_t last = std::min(to, first + a.block);
         if constexpr (kVector) {  // 16 keys at a time against each head: their dot products as one vector
-          if (last < to) prefetch_rows(key_rows(last), a.block, a.key_token_stride, dk * int64_t(sizeof(C)));
-          prefetch_rows(value_rows(first), last - first, a.value_token_stride, dv * int64_t(sizeof(C)));
+          // with each 16 keys, 16 rows of the next block's keys (after the chunk's last block: the next item's first)
+          // and this block's values asked for: spread over the block (a whole block asked for at its start queued
+          // behind the core's few line-fill buffers and stalled the loads of the keys in hand)
+          const C* next_keys = last < to ? key_rows(last) : next_item_keys;
+          const C* block_values = value_rows(first);
           for (int64_t j0 = first; j0 < last; j0 += kVec, k += kVec * a.key_token_stride) {
-            const int64_t count = std::min(kVec, last - j0);
+            const int64_t count = std::min(kVec, last - j0), o = j0 - first;
+            if (next_keys)
+              prefetch_rows(next_keys + o * a.key_token_stride, std::min(kVec, a.block - o), a.key_token_stride,
+                            dk * int64_t(sizeof(C)));
+            prefetch_rows(block_values + o * a.value_token_stride, count, a.value_token_stride, dv * int64_t(sizeof(C)));
             for (int64_t h = 0; h < group; ++h) {
-              const v16* qh = qv.data() + h * kNk;
               v16 dots[kVec];
-              for (int64_t t = 0; t < kVec; ++t) {
-                const C* kt = k + t * a.key_token_stride;
-                v16 even{}, odd{};  // two chains of FMAs
-                if (t < count)
-                  for (int64_t v = 0; v < kNk; ++v)
-                    (v % 2 ? odd : even) = vfma16(qh[v], vload16(kt + v * kVec), v % 2 ? odd : even);
-                dots[t] = even + odd;
+              if constexpr (kBf16Keys) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+                const v16* qh = qv.data() + h * kNk2;
+                for (int64_t t = 0; t < kVec; ++t) {
+                  __m512 dot = _mm512_setzero_ps();
+                  if (t < count)
+                    for (int64_t v = 0; v < kNk2; ++v)
+                      dot = _mm512_dpbf16_ps(dot, (__m512bh)qh[v],
+                                             (__m512bh)_mm512_loadu_ps(k + t * a.key_token_stride + v * 2 * kVec));
+                  dots[t] = v16(dot);
+                }
+#endif
+              } else {
+                const v16* qh = qv.data() + h * kNk;
+                for (int64_t t = 0; t < kVec; ++t) {
+                  const C* kt = k + t * a.key_token_stride;
+                  v16 even{}, odd{};  // two chains of FMAs
+                  if (t < count)
+                    for (int64_t v = 0; v < kNk; ++v)
+                      (v % 2 ? odd : even) = vfma16(qh[v], vload16(kt + v * kVec), v % 2 ? odd : even);
+                  dots[t] = even + odd;
+                }
               }
-              const v16 sums = lane_sums16(dots);
+              const v16 sums = kBf16Keys ? lane_sums16(dots) * a.scale : lane_sums16(dots);
               std::memcpy(scores.data() + h * score_stride + j0 - from, &sums, sizeof(sums));  // rows padded
               for (int64_t t = 0; t < count; ++t) top[h] = std::max(top[h], sums[t]);
             }
