@@ -380,10 +380,12 @@ def test_a_refused_packing_falls_back_instead_of_crashing(monkeypatch, caplog):
 
 
 @pytest.mark.slow
-def test_engine_bf16_tokens_are_hf_bf16s(tmp_path, tiny_models):
+@pytest.mark.parametrize("sizes", [{}, {"head_dim": 64, "num_heads": 6, "num_kv_heads": 2, "hidden_size": 96}])
+def test_engine_bf16_tokens_are_hf_bf16s(tmp_path, tiny_models, sizes):
     """bf16 greedy tokens against HF bf16 by the rule in tests/oracle.py (`hf_bf16_disagreements`), on the
-    path this process's ISA level chooses; the forced-AVX2 run below repeats it on the AVX2 path."""
-    folder = tiny_models("llama")
+    path this process's ISA level chooses; the forced-AVX2 run below repeats it on the AVX2 path. Heads of 64 dims
+    in groups of 3 (SmolLM2's) take the decode kernel's vector paths (AVX512-BF16 key dots where the CPU has them)."""
+    folder = tiny_models("llama", **sizes)
     prompts, outputs = engine_bf16_tokens(tmp_path, folder)
     shifted = [(t + 1) % 500 for t in outputs[-1]]  # the rule does reject tokens HF would not pick
     assert len(hf_bf16_disagreements(folder, prompts[-1], shifted)) > len(shifted) // 2
