@@ -1,7 +1,8 @@
 // The engine's CPU matmuls, registered as torch ops under `dcpctl::` (the library is cpu_kernels.cpp's):
 //   gemv          y = x @ w.T (+ bias) for a few rows, on the plain [n, k] weight. oneDNN's packed path reads
 //                 the weights at 50-65% of the memory bandwidth here, this row-streaming loop at ~90%
-//                 (benchmarks/gemv_roofline.py). Rows of w split over torch's intra-op threads.
+//                 (benchmarks/gemv_roofline.py). Rows of w split over torch's intra-op threads. bf16 with
+//                 AVX512-BF16: vdpbf16ps on the weight's and x's own bits, four rows of w at a time.
 //   pack_panels   a [n, k] weight reordered once into panels of kPanel output columns, [ceil(n / kPanel), k, kPanel]
 //                 (the last panel zero-padded), in the weight's own dtype. A bf16 panel row interleaves its two
 //                 vectors' columns (j, j + kLanes) in each 32-bit pair, so that widening them to fp32 is a shift
@@ -211,15 +212,79 @@ void gemv_rows(const W* w, const float* x, const float* bias, int64_t m, int64_t
   });
 }
 
+#if defined(DCPCTL_AVX512_BF16)
+inline __m512bh as_bf16_pairs(__m512i v) {
+  __m512bh pairs;
+  std::memcpy(&pairs, &v, sizeof(pairs));
+  return pairs;
+}
+
+inline float lane_sum(__m512 v) {
+#if defined(DCPCTL_EMULATE_AVX512_BF16)  // SIMDe has no _mm512_reduce_add_ps
+  float lanes[kLanes], sum = 0.f;
+  std::memcpy(lanes, &v, sizeof(lanes));
+  for (float lane : lanes) sum += lane;
+  return sum;
+#else
+  return _mm512_reduce_add_ps(v);
+#endif
+}
+
+// The bf16 GEMV on x's and w's own bits: vdpbf16ps does 32 k steps of a row per instruction (exact products, fp32
+// sums), where the widening loop above spends three instructions per 16 weights before its FMA and read the weights
+// at ~60% of what oneDNN's packed path reaches at one row. Four weight rows at a time: four streams in flight, and
+// one x vector per four dot products.
+void gemv_rows_bf16_dot(const uint16_t* w, const uint16_t* x, const float* bias, int64_t m, int64_t n, int64_t k,
+                        uint16_t* y) {
+  constexpr int64_t kRows = 4, kStep = 2 * kLanes;  // kStep: the k values of one register of bf16 pairs
+  const int64_t body = k / kStep * kStep;
+  auto load = [](const uint16_t* p) { return as_bf16_pairs(_mm512_loadu_si512(p)); };
+  auto load_tail = [&](const uint16_t* p) {  // the last k % kStep values, zero-padded
+    uint16_t padded[kStep] = {};
+    std::memcpy(padded, p, (k - body) * sizeof(uint16_t));
+    return load(padded);
+  };
+  at::parallel_for(0, (n + kRows - 1) / kRows, (kGrainRows + kRows - 1) / kRows, [&](int64_t begin, int64_t end) {
+    for (int64_t group = begin; group < end; ++group) {
+      const int64_t j0 = group * kRows, rows = std::min(kRows, n - j0);
+      const uint16_t* row[kRows];
+      for (int64_t r = 0; r < kRows; ++r) row[r] = w + (j0 + std::min(r, rows - 1)) * k;  // short group: repeats
+      for (int64_t i = 0; i < m; ++i) {
+        const uint16_t* xi = x + i * k;
+        __m512 acc[kRows];
+        for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < body; c += kStep) {
+          const __m512bh xv = load(xi + c);
+          for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], load(row[r] + c), xv);
+        }
+        if (body < k) {
+          const __m512bh xv = load_tail(xi + body);
+          for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], load_tail(row[r] + body), xv);
+        }
+        for (int64_t r = 0; r < rows; ++r)
+          y[i * n + j0 + r] = from_fp32<uint16_t>(lane_sum(acc[r]) + (bias ? bias[j0 + r] : 0.f));
+      }
+    }
+  });
+}
+#endif
+
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv: x [m, k] and w [n, k] expected");
   check_weight(x, w, "gemv");
   const int64_t m = x.size(0), n = w.size(0), k = w.size(1);
   const at::Tensor xc = x.contiguous();
   std::vector<float> xf, bf;
-  const float* xs = fp32_rows(xc, xf);
   const float* bs = fp32_bias(bias, n, w.scalar_type(), bf);
   at::Tensor out = at::empty({m, n}, x.options());
+#if defined(DCPCTL_AVX512_BF16)
+  if (w.scalar_type() == at::kBFloat16) {
+    gemv_rows_bf16_dot(reinterpret_cast<const uint16_t*>(w.data_ptr()), reinterpret_cast<const uint16_t*>(xc.data_ptr()),
+                       bs, m, n, k, reinterpret_cast<uint16_t*>(out.data_ptr()));
+    return out;
+  }
+#endif
+  const float* xs = fp32_rows(xc, xf);
   if (w.scalar_type() == at::kFloat) {
     gemv_rows(w.data_ptr<float>(), xs, bs, m, n, k, out.data_ptr<float>());
   } else {
@@ -309,12 +374,6 @@ inline void panel_step(const float* xt, const W* row, vfloat* lo, vfloat* hi) {
 }
 
 #if defined(DCPCTL_AVX512_BF16)
-inline __m512bh as_bf16_pairs(__m512i v) {
-  __m512bh pairs;
-  std::memcpy(&pairs, &v, sizeof(pairs));
-  return pairs;
-}
-
 // Two k steps of IB rows: each row's x pair broadcast to every lane, dotted with each column's weight pair
 template <int64_t IB>
 inline void panel_step(const bf16_pair* xt, const bf16_pair* row, vfloat* lo, vfloat* hi) {
