@@ -32,19 +32,39 @@ def test_engine_import_sets_it_before_torch_loads():
     assert result.stdout.strip() == "False", result.stderr[-2000:]
 
 
-def test_bound_openmp_threads_still_get_every_core():
+@pytest.mark.parametrize("imports", ["engine, torch", "torch, engine"])
+def test_bound_openmp_threads_still_get_every_core(imports):
     """GOMP_CPU_AFFINITY pins the main thread to one core when torch loads: the engine's thread count comes from the
-    process's cores as they were at `import engine`, not from that pinned thread."""
+    process's cores as they were at `import engine`, not from that pinned thread; and with torch imported first,
+    from the cores the variable lists."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("needs two cores")
     env = dict(os.environ, GOMP_CPU_AFFINITY=",".join(map(str, cores)))
-    probe = "import os, engine, torch; from engine import devices; torch.ones(2).sum(); "
+    probe = f"import os, {imports}; from engine import devices; torch.ones(2).sum(); "
     probe += "print(len(os.sched_getaffinity(0)), devices.cpu_cores())"
     result = subprocess.run([sys.executable, "-c", probe], env=env, cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     pinned, counted = map(int, result.stdout.split())
     assert (pinned, counted) == (1, len(cores))
+
+
+@pytest.mark.parametrize(
+    ("value", "cpus"),
+    [
+        ("0 1", (0, 1)),
+        ("3,1 0-2", (3, 1, 0, 2)),
+        ("0-7:2", (0, 2, 4, 6)),
+        (" 4-5 , 9 ", (4, 5, 9)),
+        ("", ()),
+        ("0 x", ()),
+        ("1-", ()),
+    ],
+)
+def test_gomp_cpu_affinity_lists_read_as_libgomp_reads_them(value, cpus):
+    from engine.devices import gomp_affinity_cpus
+
+    assert gomp_affinity_cpus(value) == cpus
 
 
 # ---------------------------------------------------------------- pinning each rank's threads to its cores
