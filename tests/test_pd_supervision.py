@@ -52,6 +52,9 @@ def start(tmp_path: Path, folder: Path, disagg: dict | None = None, env: dict | 
     server.start()
     try:
         server.wait_healthy()
+        # the router answers as soon as it sees both instances healthy, a poll before the deployment does: supervision
+        # (and so a restart of a killed instance) starts with the deployment's banner
+        wait_for(lambda: "logs in " in terminal(server), timeout_s=60, what="deployment banner")
     except BaseException:
         server.stop()
         raise
