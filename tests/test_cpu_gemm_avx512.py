@@ -135,7 +135,7 @@ def test_panel_gemm_propagates_nan_and_inf_as_f_linear(avx512_ops, dtype):
 @pytest.mark.parametrize("k", [1, 31, 32, 33, 77, 576])
 @pytest.mark.parametrize("n", [1, 3, 4, 9])
 def test_bf16_gemv_by_dot_products_takes_any_k_and_n(avx512_ops, k, n):
-    """The bf16 GEMV (vdpbf16ps on 32 k values a register, 4 weight rows at a time): a masked last piece of k, a
+    """The bf16 GEMV (vdpbf16ps on 32 k values a register, 4 weight rows at a time): a zero-padded last piece of k, a
     short last group of rows, 1 and 2 rows of x, against the exact product."""
     for rows in (1, 2):
         x, weight, bias = _case(rows, n, k, torch.bfloat16, with_bias=rows == 2, seed=k * n + rows)
@@ -148,7 +148,7 @@ def test_bf16_gemv_by_dot_products_takes_any_k_and_n(avx512_ops, k, n):
 
 def test_bf16_gemv_propagates_nan_and_inf_as_f_linear(avx512_ops):
     x, weight, _ = _case(2, 9, 77, torch.bfloat16, with_bias=False, seed=3)
-    x[0, 76] = float("nan")  # in the masked last piece of k
+    x[0, 76] = float("nan")  # in the zero-padded last piece of k
     weight[5, 3] = float("inf")
     out, want = avx512_ops.gemv(x, weight), F.linear(x.double(), weight.double())
     assert torch.equal(out.isnan(), want.isnan()) and out[0].isnan().all()
