@@ -142,27 +142,23 @@ def test_cpu_backend_prefill_uses_the_kernel_and_falls_back(need_lse):
 
 
 @NEEDS_KERNELS
-def test_cpu_backend_takes_torch_flash_for_long_bf16_prompts_on_amx():
-    """bf16 prompts of FLASH_MIN_PROMPT_TOKENS or more on average take torch's flash path (its bits exactly) on a CPU
-    with AMX, the kernel elsewhere and for shorter prompts; fp32 always takes the kernel."""
-    from engine.attention.cpu_backend import FLASH_MIN_PROMPT_TOKENS
+def test_bf16_prefill_runs_on_amx_where_the_cpu_has_it():
+    """The AVX512-BF16 build on a CPU with AMX runs bf16 prefill attention on brgemm (elsewhere, a forced AVX2 build
+    included, the vector path), and the CPU backend takes the kernel at every prompt length, short and long, not
+    torch's flash op (whose bits differ)."""
     from engine.kernels.cpu_isa import detect
 
+    kernel_isa = cpu_kernels.kernel_isa()
+    assert cpu_kernels.prefill_uses_amx() == (detect().amx_bf16 and kernel_isa is not None and kernel_isa.bf16_dot)
     cpu, torch_backend = CpuBackend(), TorchBackend()
-    amx = detect().amx_bf16
-    for dtype, lengths in (
-        (torch.bfloat16, [FLASH_MIN_PROMPT_TOKENS, FLASH_MIN_PROMPT_TOKENS + 9]),
-        (torch.bfloat16, [FLASH_MIN_PROMPT_TOKENS - 1, 3]),
-        (torch.float32, [FLASH_MIN_PROMPT_TOKENS, FLASH_MIN_PROMPT_TOKENS + 9]),
-    ):
-        q, k, v, cu = layer_inputs(lengths, 9, 3, 64, 64, dtype, seed=11)
+    for lengths in ([3, 40], [300, 1030]):
+        q, k, v, cu = layer_inputs(lengths, 9, 3, 64, 64, torch.bfloat16, seed=11)
         prefill = PrefillNew(cu, lengths, max(lengths))
         out, lse = cpu.prefill_new(q, k, v, prefill, 0.125, True)
-        flash = torch_backend.prefill_new(q, k, v, prefill, 0.125, True)
         kernel = cpu_kernels.prefill_causal(q, k, v, cu, 0.125)
-        want = flash if amx and dtype == torch.bfloat16 and sum(lengths) >= FLASH_MIN_PROMPT_TOKENS * 2 else kernel
-        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
-        assert not torch.equal(flash[0], kernel[0])  # the two paths differ in their bits: the choice is visible
+        assert torch.equal(out, kernel[0]) and torch.equal(lse, kernel[1])
+        assert not torch.equal(out, torch_backend.prefill_new(q, k, v, prefill, 0.125, True)[0])
+        check(out, lse, *reference(q, k, v, lengths, 0.125), torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

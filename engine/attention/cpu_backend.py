@@ -5,15 +5,16 @@ layers' cache views in place: no gathered copy of each sequence's keys and value
 op instead of a dozen. A layer that hands over its unrotated q, k and v heads gets rotary and the KV store
 in one op (`cpu_kernels.rotary_store_kv`). A prefill's attention among its new tokens is one op per layer for all
 its prompts (`cpu_kernels.prefill_causal`: GQA without repeating keys, any head sizes, MLA's latent values included)
-instead of a CPU flash call per prompt, except in bfloat16 on a CPU with AMX for prompts of 256 tokens or more on
-average (`FLASH_MIN_PROMPT_TOKENS`), where torch's CPU flash attention (its products on oneDNN's brgemm with AMX) is
-faster: measured on a Sapphire Rapids Xeon, 2 threads (benchmarks/cpu_prefill_attention.py), per layer the kernel
-took 2.6 / 4.3 / 7.2 / 6.7 / 13.5 ms at 16x128 / 8x256 / 4x512 / 1x1024 / 2x1024 tokens, torch's flash 3.5 / 3.9 /
-5.3 / 4.0 / 8.3 ms (fp32: the kernel is faster at every shape). Multi-query context attention stays on the torch
-backend's path, as does everything when the kernels cannot be built here (`cpu_kernels_available`) or the model or
-cache dtype is one they do not take (float16: `KERNEL_DTYPES`, `KERNEL_CACHE_DTYPES`). An fp8 cache (cache.dtype
-fp8_e4m3 / fp8_e5m2) takes the kernels: they store the bytes `kv_quant.to_cache` stores (value / scale, in fp32) and
-read them back exactly; the layer folds the scales into the decode kernel's softmax scale and output.
+instead of a CPU flash call per prompt. In bfloat16 on a CPU with AMX its two products per key block are oneDNN
+brgemm calls (AMX tiles), faster than torch's CPU flash attention at every prompt length measured on a Sapphire
+Rapids Xeon, 2 threads (benchmarks/cpu_prefill_attention.py, per layer, torch's flash / the kernel: 1.95 / 1.16 ms
+at 16x128 tokens, 2.64 / 2.03 at 8x256, 3.87 / 2.45 at 4x512, 2.53 / 2.27 at 1x1024, 10.9 / 9.0 at 4x1000); fp32,
+and bf16 on CPUs without AMX, run its vector path (fp32 on that Xeon: faster than torch's flash at every shape).
+Multi-query context attention stays on the torch backend's path, as does everything when the kernels cannot be built
+here (`cpu_kernels_available`) or the model or cache dtype is one they do not take (float16: `KERNEL_DTYPES`,
+`KERNEL_CACHE_DTYPES`). An fp8 cache (cache.dtype fp8_e4m3 / fp8_e5m2) takes the kernels: they store the bytes
+`kv_quant.to_cache` stores (value / scale, in fp32) and read them back exactly; the layer folds the scales into the
+decode kernel's softmax scale and output.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import torch
 
 from engine.attention.torch_backend import TorchBackend
-from engine.kernels.cpu_isa import detect
 from engine.kernels.cpu_kernels import (
     KERNEL_CACHE_DTYPES,
     KERNEL_DTYPES,
@@ -38,15 +38,11 @@ def _kernel_dtypes(new: torch.Tensor, cache: torch.Tensor) -> bool:
     return new.dtype in KERNEL_DTYPES and cache.dtype in KERNEL_CACHE_DTYPES
 
 
-FLASH_MIN_PROMPT_TOKENS = 256  # bf16 with AMX: from this mean prompt length on torch's flash beats the kernel
-
-
 class CpuBackend(TorchBackend):
     name = "cpu"
 
     def __init__(self) -> None:
         self.kernels = cpu_kernels_available()
-        self.amx_flash = self.kernels and detect().amx_bf16  # torch's bf16 flash attention runs on AMX here
 
     def write_cache(self, key, value, key_cache, value_cache, metadata, scales=(1.0, 1.0)) -> None:
         if not self.kernels or key.device.type != "cpu" or not _kernel_dtypes(key, key_cache):
@@ -65,9 +61,6 @@ class CpuBackend(TorchBackend):
     def prefill_new(self, q, k, v, prefill, scale, need_lse):
         same = q.dtype in KERNEL_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
         if not self.kernels or not q.is_cpu or not same or any(t.stride(-1) != 1 for t in (q, k, v)):
-            return super().prefill_new(q, k, v, prefill, scale, need_lse)
-        long_prompts = q.shape[0] >= FLASH_MIN_PROMPT_TOKENS * len(prefill.seq_lens)
-        if self.amx_flash and q.dtype == torch.bfloat16 and long_prompts:
             return super().prefill_new(q, k, v, prefill, scale, need_lse)
         out, lse = prefill_causal(q, k, v, prefill.cu_seqlens, scale)
         return out, lse if need_lse else None

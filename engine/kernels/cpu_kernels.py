@@ -310,8 +310,15 @@ def prefill_causal(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of each prompt's tokens (cu_seqlens [P + 1] int64) to themselves: q [T, H, Dk],
     k [T, Hkv, Dk], v [T, Hkv, Dv] of one dtype (fp32/bf16; any strides but the last), each KV head read once for
-    its H / Hkv query heads; exact softmax in fp32. Returns out [T, H, Dv] (q's dtype) and lse [T, H] (fp32)."""
+    its H / Hkv query heads; softmax in fp32 (bf16 on AMX: the probabilities rounded to bf16 for P.V, as torch's
+    flash attention rounds them; `prefill_uses_amx`). Returns out [T, H, Dv] (q's dtype) and lse [T, H] (fp32)."""
     return torch.ops.dcpctl.prefill_causal(q, k, v, cu_seqlens, scale)
+
+
+def prefill_uses_amx() -> bool:
+    """Whether `prefill_causal` runs bfloat16 on oneDNN's brgemm (AMX tiles) here: the AVX512-BF16 build on a CPU
+    whose AMX torch's cpublas can pack for; elsewhere bfloat16 takes the vector path, as float32 always does."""
+    return bool(torch.ops.dcpctl.prefill_uses_amx())
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
@@ -1218,6 +1219,62 @@ inline void prefill_pack_block(const T* k, int64_t k_token_stride, const T* v, i
     for (int64_t d = 0; d < a.dk; ++d) std::fill(panel + d * kPrefillKeys + n, panel + (d + 1) * kPrefillKeys, 0.f);
 }
 
+// Each prompt's first key block (blocks of kPrefillKeys keys; each prompt's keys start a block), and the total last.
+inline std::vector<int64_t> prefill_first_blocks(const int64_t* cu, int64_t prompts) {
+  std::vector<int64_t> first_block(prompts + 1, 0);
+  for (int64_t p = 0; p < prompts; ++p)
+    first_block[p + 1] = first_block[p] + (cu[p + 1] - cu[p] + kPrefillKeys - 1) / kPrefillKeys;
+  return first_block;
+}
+
+// Calls pack(item, kv head, first token, keys) for every (KV head, key block) of every prompt, over the threads;
+// item = head * total_blocks + block indexes the packed blocks.
+template <typename Pack>
+void for_each_key_block(const int64_t* cu, const std::vector<int64_t>& first_block, const PrefillShape& a,
+                        int64_t block_elements, Pack pack) {
+  at::parallel_for(0, a.kv_heads * a.total_blocks, grain_for(block_elements), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t head = item / a.total_blocks, block = item % a.total_blocks;
+      const int64_t p = std::upper_bound(first_block.begin(), first_block.end(), block) - first_block.begin() - 1;
+      const int64_t token = cu[p] + (block - first_block[p]) * kPrefillKeys;
+      pack(item, head, token, std::min(kPrefillKeys, cu[p + 1] - token));
+    }
+  });
+}
+
+struct PrefillItem {
+  int64_t prompt, head, first;  // first: the item's first query token within its prompt
+};
+
+// A prefill's work items, (prompt, KV head, up to `tokens_per_item` query tokens), and their split over the threads
+// by work (rows x keys: later query tokens see more keys) in contiguous runs: part p runs items
+// [part_start(p), part_start(p + 1)).
+struct PrefillItems {
+  std::vector<PrefillItem> items;
+  std::vector<int64_t> work_before{0};  // running sum of rows x keys
+  int64_t parts = 1;
+
+  PrefillItems(const int64_t* cu, int64_t prompts, const PrefillShape& a, int64_t tokens_per_item) {
+    const int64_t group = a.heads / a.kv_heads;
+    for (int64_t p = 0; p < prompts; ++p) {
+      const int64_t n = cu[p + 1] - cu[p];
+      for (int64_t g = 0; g < a.kv_heads; ++g)
+        for (int64_t first = 0; first < n; first += tokens_per_item) {
+          const int64_t last = std::min(n, first + tokens_per_item);
+          items.push_back({p, g, first});
+          work_before.push_back(work_before.back() + (last - first) * group * last);
+        }
+    }
+    const int64_t most = std::min<int64_t>(at::get_num_threads(), items.size());
+    parts = std::clamp<int64_t>(work_before.back() * (a.dk + a.dv_pad) / kSerialElements, 1, std::max<int64_t>(most, 1));
+  }
+
+  int64_t part_start(int64_t part) const {  // the first item whose work starts at or after the part's share
+    const int64_t share = work_before.back() * part / parts;
+    return std::lower_bound(work_before.begin(), work_before.end() - 1, share) - work_before.begin();
+  }
+};
+
 // Causal attention within each prompt (tokens cu[p] .. cu[p+1]-1), GQA without repeating keys: work items are
 // (prompt, KV head, up to 32 query tokens), whose rows are the tokens x the group's query heads (token-major). Keys and
 // values are packed once per layer (prefill_pack_block); an item walks its keys a block at a time: the scores of a
@@ -1231,50 +1288,24 @@ void prefill_causal_heads(const T* q, const T* k, const T* v, const int64_t* cu,
   constexpr int64_t R = kPrefillRows, KB = kPrefillKeys;
   const int64_t group = a.heads / a.kv_heads, dk = a.dk, dv_pad = a.dv_pad;
   const int64_t QT = std::clamp<int64_t>(kPrefillItemRows / group, 1, kPrefillMaxTokens);  // query tokens per item
-  std::vector<int64_t> first_block(prompts + 1, 0);  // each prompt's first key block
-  for (int64_t p = 0; p < prompts; ++p) first_block[p + 1] = first_block[p] + (cu[p + 1] - cu[p] + KB - 1) / KB;
+  const std::vector<int64_t> first_block = prefill_first_blocks(cu, prompts);
   // every element the items read is written by the packing: no zero-filled allocation (megabytes per layer)
   const std::unique_ptr<float[]> panels(new float[a.kv_heads * a.total_blocks * dk * KB]);
   const std::unique_ptr<float[]> values(new float[a.kv_heads * a.total_blocks * KB * dv_pad]);
-  const int64_t pack_items = a.kv_heads * a.total_blocks;
-  at::parallel_for(0, pack_items, grain_for(KB * (dk + dv_pad)), [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t g = item / a.total_blocks, block = item % a.total_blocks;
-      const int64_t p = std::upper_bound(first_block.begin(), first_block.end(), block) - first_block.begin() - 1;
-      const int64_t token = cu[p] + (block - first_block[p]) * KB, n = std::min(KB, cu[p + 1] - token);
-      prefill_pack_block(k + token * k_strides[0] + g * k_strides[1], k_strides[0],
-                         v + token * v_strides[0] + g * v_strides[1], v_strides[0], n, a, panels.get() + item * dk * KB,
-                         values.get() + item * KB * dv_pad);
-    }
+  for_each_key_block(cu, first_block, a, KB * (dk + dv_pad), [&](int64_t item, int64_t head, int64_t token, int64_t n) {
+    prefill_pack_block(k + token * k_strides[0] + head * k_strides[1], k_strides[0],
+                       v + token * v_strides[0] + head * v_strides[1], v_strides[0], n, a, panels.get() + item * dk * KB,
+                       values.get() + item * KB * dv_pad);
   });
 
-  struct Item {
-    int64_t prompt, head, first;  // first: the item's first query token within its prompt
-  };
-  std::vector<Item> items;
-  std::vector<int64_t> work_before{0};  // running sum of rows x keys
-  for (int64_t p = 0; p < prompts; ++p) {
-    const int64_t n = cu[p + 1] - cu[p];
-    for (int64_t g = 0; g < a.kv_heads; ++g)
-      for (int64_t first = 0; first < n; first += QT) {
-        const int64_t last = std::min(n, first + QT);
-        items.push_back({p, g, first});
-        work_before.push_back(work_before.back() + (last - first) * group * last);
-      }
-  }
-  const int64_t total = work_before.back();
-  const int64_t most = std::min<int64_t>(at::get_num_threads(), items.size());
-  const int64_t parts = std::clamp<int64_t>(total * (dk + dv_pad) / kSerialElements, 1, most);
-  auto part_start = [&](int64_t part) {  // the first item whose work starts at or after the part's share
-    return std::lower_bound(work_before.begin(), work_before.end() - 1, total * part / parts) - work_before.begin();
-  };
-
-  at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
+  const PrefillItems plan(cu, prompts, a, QT);
+  const std::vector<PrefillItem>& items = plan.items;
+  at::parallel_for(0, plan.parts, 1, [&](int64_t part_begin, int64_t part_end) {
     const int64_t max_rows = (QT * group + R - 1) / R * R;
     std::vector<float> qf(max_rows * dk), scores(max_rows * KB), acc(max_rows * dv_pad), top(max_rows), sum(max_rows);
     const float neg_inf = -std::numeric_limits<float>::infinity();
-    for (int64_t it = part_start(part_begin); it < part_start(part_end); ++it) {
-      const Item& item = items[it];
+    for (int64_t it = plan.part_start(part_begin); it < plan.part_start(part_end); ++it) {
+      const PrefillItem& item = items[it];
       const int64_t start = cu[item.prompt], n = cu[item.prompt + 1] - start;
       const int64_t tokens = std::min(QT, n - item.first), rows = tokens * group, padded = (rows + R - 1) / R * R;
       const int64_t head0 = item.head * group;
@@ -1316,6 +1347,152 @@ void prefill_causal_heads(const T* q, const T* k, const T* v, const int64_t* cu,
   });
 }
 
+#if defined(__AVX512BF16__)
+// ---- prefill_causal in bfloat16 on AMX: the same items, the products on oneDNN's brgemm ----
+//
+// Where torch's cpublas can pack bfloat16 for its brgemm (a CPU with AMX), the two products of each key block are
+// brgemm calls on the stored bits (fp32 sums): scores = Q.K^T of the item's rows, then acc += P.V with the
+// probabilities rounded to bfloat16, as torch's flash attention rounds them. The softmax between them is
+// prefill_causal_heads' (fp32, the same online steps). Keys and values are packed once per layer into the VNNI
+// layout brgemm reads (pairs of consecutive K-dimension elements side by side): keys as K^T [dk/2][64 keys][2],
+// values as [32 key pairs][dv][2], zeros past a prompt's last key and past an odd dk.
+constexpr int64_t kAmxItemRows = 192, kAmxMaxTokens = 64;  // rows per item: 64 tokens x a group of 3 (12 row tiles)
+
+// One row's online-softmax step over a key block of 64 scores, 16 lanes at a time: the first `visible` scores, scaled,
+// become exp(score - max) rounded to bfloat16 in `probs` (the rest 0), the running max and sum move to the new max,
+// and the row's accumulator is rescaled. The sum stays 16 lanes of partial sums (`sums`), added up once at the end. exp is ATen's exp_u20 (20 ulp): the probabilities are rounded to bfloat16
+// (2^-9 relative) right after.
+inline void amx_softmax_row(const float* __restrict__ row, int64_t visible, float scale, float& top,
+                            float* __restrict__ sums, float* __restrict__ acc, int64_t dv_pad,
+                            uint16_t* __restrict__ probs) {
+  static_assert(kPrefillKeys == 64, "a key block is 4 vectors of 16 scores");
+  using Vec = at::vec::Vectorized<float>;
+  if (visible <= 0) {  // the whole block is after this row's token
+    std::memset(probs, 0, kPrefillKeys * sizeof(uint16_t));
+    return;
+  }
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), scales = _mm512_set1_ps(scale);
+  __m512 x[4];
+  __mmask16 lanes[4];
+  for (int i = 0; i < 4; ++i) {
+    const int64_t left = std::clamp<int64_t>(visible - 16 * i, 0, 16);
+    lanes[i] = static_cast<__mmask16>((1u << left) - 1u);
+    x[i] = _mm512_mask_mul_ps(neg_inf, lanes[i], _mm512_loadu_ps(row + 16 * i), scales);
+  }
+  const float block_top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
+  const float next = std::max(top, block_top);
+  if (next > top) {  // exp(-inf) = 0 on the first block: the accumulator and sum are 0 there anyway
+    const __m512 alphas = _mm512_set1_ps(std::exp(top - next));
+    _mm512_storeu_ps(sums, _mm512_mul_ps(_mm512_loadu_ps(sums), alphas));
+    for (int64_t i = 0; i < dv_pad; i += 16) _mm512_storeu_ps(acc + i, _mm512_mul_ps(_mm512_loadu_ps(acc + i), alphas));
+    top = next;
+  }
+  const __m512 nexts = _mm512_set1_ps(next);
+  __m512 e[4];
+  for (int i = 0; i < 4; ++i)
+    e[i] = _mm512_maskz_mov_ps(lanes[i], static_cast<__m512>(Vec(_mm512_sub_ps(x[i], nexts)).exp_u20()));
+  const __m512 block_sums = _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3]));
+  _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_loadu_ps(sums), block_sums));
+  _mm512_storeu_si512(probs, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+  _mm512_storeu_si512(probs + 32, (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]));
+}
+
+inline void amx_pack_keys(const uint16_t* k, int64_t stride, int64_t n, int64_t dk, uint32_t* __restrict__ out) {
+  const int64_t pairs = (dk + 1) / 2;
+  for (int64_t j = 0; j < n; ++j, k += stride) {
+    for (int64_t w = 0; w < dk / 2; ++w) out[w * kPrefillKeys + j] = k[2 * w] | (uint32_t{k[2 * w + 1]} << 16);
+    if (dk % 2) out[(pairs - 1) * kPrefillKeys + j] = k[dk - 1];
+  }
+  for (int64_t w = 0; w < pairs; ++w) std::fill(out + w * kPrefillKeys + n, out + (w + 1) * kPrefillKeys, 0u);
+}
+
+inline void amx_pack_values(const uint16_t* v, int64_t stride, int64_t n, int64_t dv, uint16_t* __restrict__ out) {
+  for (int64_t j = 0; j < kPrefillKeys; ++j) {
+    uint16_t* o = out + (j / 2) * dv * 2 + j % 2;
+    if (j < n) {
+      const uint16_t* row = v + j * stride;
+      for (int64_t c = 0; c < dv; ++c) o[2 * c] = row[c];
+    } else {
+      for (int64_t c = 0; c < dv; ++c) o[2 * c] = 0;
+    }
+  }
+}
+
+void prefill_causal_amx(const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v, const int64_t* cu,
+                        int64_t prompts, std::array<int64_t, 2> q_strides, std::array<int64_t, 2> k_strides,
+                        std::array<int64_t, 2> v_strides, c10::BFloat16* out, float* lse, const PrefillShape& a) {
+  using at::native::cpublas::brgemm;
+  constexpr int64_t KB = kPrefillKeys;
+  const int64_t group = a.heads / a.kv_heads, dk2 = (a.dk + 1) / 2 * 2, dv = a.dv, dv_pad = a.dv_pad;
+  const int64_t QT = std::clamp<int64_t>(kAmxItemRows / group, 1, kAmxMaxTokens);
+  const std::vector<int64_t> first_block = prefill_first_blocks(cu, prompts);
+  const std::unique_ptr<uint32_t[]> keys(new uint32_t[a.kv_heads * a.total_blocks * dk2 / 2 * KB]);
+  const std::unique_ptr<uint16_t[]> values(new uint16_t[a.kv_heads * a.total_blocks * KB * dv]);
+  auto bits = [](const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); };
+  for_each_key_block(cu, first_block, a, KB * (dk2 + dv), [&](int64_t item, int64_t head, int64_t token, int64_t n) {
+    amx_pack_keys(bits(k + token * k_strides[0] + head * k_strides[1]), k_strides[0], n, a.dk,
+                  keys.get() + item * dk2 / 2 * KB);
+    amx_pack_values(bits(v + token * v_strides[0] + head * v_strides[1]), v_strides[0], n, dv,
+                    values.get() + item * KB * dv);
+  });
+
+  const PrefillItems plan(cu, prompts, a, QT);
+  at::parallel_for(0, plan.parts, 1, [&](int64_t part_begin, int64_t part_end) {
+    const int64_t max_rows = QT * group;
+    std::vector<uint16_t> qb(max_rows * dk2, 0), pb(max_rows * KB);
+    std::vector<float> scores(max_rows * KB), acc(max_rows * dv_pad), top(max_rows), sums(max_rows * 16);
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    for (int64_t it = plan.part_start(part_begin); it < plan.part_start(part_end); ++it) {
+      const PrefillItem& item = plan.items[it];
+      const int64_t start = cu[item.prompt], n = cu[item.prompt + 1] - start;
+      const int64_t tokens = std::min(QT, n - item.first), rows = tokens * group, head0 = item.head * group;
+      for (int64_t m = 0; m < rows; ++m) {
+        const int64_t token = start + item.first + m / group, head = head0 + m % group;
+        std::memcpy(qb.data() + m * dk2, q + token * q_strides[0] + head * q_strides[1], a.dk * sizeof(uint16_t));
+      }
+      std::fill(acc.begin(), acc.begin() + rows * dv_pad, 0.f);
+      std::fill(top.begin(), top.end(), neg_inf);
+      std::fill(sums.begin(), sums.end(), 0.f);
+      const int64_t keys_end = item.first + tokens;  // keys [0, keys_end) of the prompt
+      for (int64_t k0 = 0; k0 < keys_end; k0 += KB) {
+        const int64_t n_keys = std::min(KB, keys_end - k0);
+        const int64_t block = item.head * a.total_blocks + first_block[item.prompt] + k0 / KB;
+        brgemm(rows, KB, dk2, dk2, KB, KB, false, reinterpret_cast<const c10::BFloat16*>(qb.data()),
+               reinterpret_cast<const c10::BFloat16*>(keys.get() + block * dk2 / 2 * KB), scores.data());
+        for (int64_t m = 0; m < rows; ++m)
+          amx_softmax_row(scores.data() + m * KB, std::min(item.first + m / group + 1 - k0, n_keys), a.scale, top[m],
+                          sums.data() + m * 16, acc.data() + m * dv_pad, dv_pad, pb.data() + m * KB);
+        brgemm(rows, dv, KB, KB, dv, dv_pad, true, reinterpret_cast<const c10::BFloat16*>(pb.data()),
+               reinterpret_cast<const c10::BFloat16*>(values.get() + block * KB * dv), acc.data());
+      }
+      for (int64_t m = 0; m < rows; ++m) {
+        const int64_t token = start + item.first + m / group, head = head0 + m % group;
+        c10::BFloat16* o = out + (token * a.heads + head) * dv;
+        const float sum = _mm512_reduce_add_ps(_mm512_loadu_ps(sums.data() + m * 16)), inv = 1.f / sum;
+        for (int64_t i = 0; i < dv; ++i) o[i] = from_float<c10::BFloat16>(acc[m * dv_pad + i] * inv);
+        lse[token * a.heads + head] = top[m] + std::log(sum);
+      }
+    }
+    at::native::cpublas::brgemm_release();
+  });
+}
+
+// Whether prefill_causal runs bfloat16 on brgemm here: torch's cpublas packs bfloat16 only where the CPU has AMX.
+bool prefill_amx_available() {
+  static const bool available = at::native::cpublas::could_pack(at::kBFloat16);
+  return available;
+}
+#endif
+
+// Whether prefill_causal's bfloat16 runs on brgemm (AMX) in this build on this CPU.
+bool prefill_uses_amx() {
+#if defined(__AVX512BF16__)
+  return prefill_amx_available();
+#else
+  return false;
+#endif
+}
+
 // q [T, H, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv] (one dtype, any strides but the last), cu_seqlens [P + 1] int64:
 // causal attention of each prompt's tokens to themselves. Returns out [T, H, Dv] (q's dtype) and lse [T, H] fp32.
 std::tuple<at::Tensor, at::Tensor> prefill_causal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -1345,6 +1522,14 @@ std::tuple<at::Tensor, at::Tensor> prefill_causal(const at::Tensor& q, const at:
   const int64_t pair = 2 * kPrefillLanes;
   const PrefillShape shape{tokens, heads, kv_heads, dk, dv, (dv + pair - 1) / pair * pair, total_blocks,
                            static_cast<float>(scale)};
+#if defined(__AVX512BF16__)
+  if (q.scalar_type() == at::kBFloat16 && prefill_amx_available()) {
+    prefill_causal_amx(q.data_ptr<c10::BFloat16>(), k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(), c, prompts,
+                       {q.stride(0), q.stride(1)}, {k.stride(0), k.stride(1)}, {v.stride(0), v.stride(1)},
+                       out.data_ptr<c10::BFloat16>(), lse.data_ptr<float>(), shape);
+    return {out, lse};
+  }
+#endif
   on_dtype(q, "prefill_causal", [&](auto tag) {
     using T = decltype(tag);
     prefill_causal_heads(q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), c, prompts,
@@ -1391,6 +1576,7 @@ TORCH_LIBRARY(dcpctl, m) {
   m.def("prefill_causal(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, float scale) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("prefill_uses_amx() -> bool", &prefill_uses_amx);  // no tensors to dispatch on
   m.def("bind_threads(int[] cores) -> int[]", &bind_threads);  // no tensors to dispatch on: one kernel for all
 }
 
