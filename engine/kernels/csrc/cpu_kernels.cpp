@@ -13,7 +13,8 @@
 //   paged_decode  one query per sequence against its paged keys/values: exact softmax in fp32,
 //                 returning the log-sum-exp per head (the DCP merge needs it).
 //   prefill_causal  causal attention of each prompt's new tokens to themselves (GQA without repeated keys), exact
-//                 softmax in fp32, with the log-sum-exp: one op per layer instead of a flash call per prompt.
+//                 softmax in fp32, with the log-sum-exp: one op per layer instead of a flash call per prompt
+//                 (bf16 on an AMX CPU: the products on oneDNN's brgemm, `prefill_uses_amx`).
 //   silu_and_mul  silu(gate) * up of [gate | up] rows in one pass, with torch's `F.silu(gate) * up` bits.
 //   argmax_rows   torch.argmax over the last dim of fp32 rows (greedy sampling's logits), vectorized.
 //   bind_threads  pin each OpenMP thread of the calling thread's team to one core (the team torch's and oneDNN's
@@ -1359,8 +1360,8 @@ void prefill_causal_heads(const T* q, const T* k, const T* v, const int64_t* cu,
 constexpr int64_t kAmxItemRows = 192, kAmxMaxTokens = 64;  // rows per item: 64 tokens x a group of 3 (12 row tiles)
 
 // One row's online-softmax step over a key block of 64 scores, 16 lanes at a time: the first `visible` scores, scaled,
-// become exp(score - max) rounded to bfloat16 in `probs` (the rest 0), the running max and sum move to the new max,
-// and the row's accumulator is rescaled. The sum stays 16 lanes of partial sums (`sums`), added up once at the end. exp is ATen's exp_u20 (20 ulp): the probabilities are rounded to bfloat16
+// become exp(score - top) rounded to bfloat16 in `probs` (the rest 0), where `top` is the row's reference point (its
+// running max, moved lazily), and the row's sums and accumulator are rescaled when it moves. The sum stays 16 lanes of partial sums (`sums`), added up once at the end. exp is ATen's exp_u20 (20 ulp): the probabilities are rounded to bfloat16
 // (2^-9 relative) right after.
 inline void amx_softmax_row(const float* __restrict__ row, int64_t visible, float scale, float& top,
                             float* __restrict__ sums, float* __restrict__ acc, int64_t dv_pad,
@@ -1380,17 +1381,20 @@ inline void amx_softmax_row(const float* __restrict__ row, int64_t visible, floa
     x[i] = _mm512_mask_mul_ps(neg_inf, lanes[i], _mm512_loadu_ps(row + 16 * i), scales);
   }
   const float block_top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(x[0], x[1]), _mm512_max_ps(x[2], x[3])));
-  const float next = std::max(top, block_top);
-  if (next > top) {  // exp(-inf) = 0 on the first block: the accumulator and sum are 0 there anyway
-    const __m512 alphas = _mm512_set1_ps(std::exp(top - next));
+  // The reference point moves only when a score passes it by more than kLazyRescale (always on the first block: top
+  // is -inf there, and exp(-inf) = 0 clears the empty accumulator and sums): exp(score - top) stays below e^8, far
+  // inside fp32 and bf16, and most blocks skip the rescale and its scalar exp.
+  constexpr float kLazyRescale = 8.f;
+  if (block_top > top + kLazyRescale) {
+    const __m512 alphas = _mm512_set1_ps(std::exp(top - block_top));
     _mm512_storeu_ps(sums, _mm512_mul_ps(_mm512_loadu_ps(sums), alphas));
     for (int64_t i = 0; i < dv_pad; i += 16) _mm512_storeu_ps(acc + i, _mm512_mul_ps(_mm512_loadu_ps(acc + i), alphas));
-    top = next;
+    top = block_top;
   }
-  const __m512 nexts = _mm512_set1_ps(next);
+  const __m512 tops = _mm512_set1_ps(top);
   __m512 e[4];
   for (int i = 0; i < 4; ++i)
-    e[i] = _mm512_maskz_mov_ps(lanes[i], static_cast<__m512>(Vec(_mm512_sub_ps(x[i], nexts)).exp_u20()));
+    e[i] = _mm512_maskz_mov_ps(lanes[i], static_cast<__m512>(Vec(_mm512_sub_ps(x[i], tops)).exp_u20()));
   const __m512 block_sums = _mm512_add_ps(_mm512_add_ps(e[0], e[1]), _mm512_add_ps(e[2], e[3]));
   _mm512_storeu_ps(sums, _mm512_add_ps(_mm512_loadu_ps(sums), block_sums));
   _mm512_storeu_si512(probs, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
