@@ -25,15 +25,11 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
-def merge_attention(
-    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax-exact merge of two partial attentions over disjoint key sets. out [T, X, Dv], lse [T, X]."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    base = _finite(lse)
-    w_a = torch.exp(lse_a - base).unsqueeze(-1)
-    w_b = torch.exp(lse_b - base).unsqueeze(-1)
-    return (out_a.float() * w_a + out_b.float() * w_b).to(out_a.dtype), lse
+def merge_weights(lse_a: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights exp(lse_x - lse) of two partial attentions over disjoint key sets, lse = logaddexp(lse_a, lse_b),
+    [T, X] each: the softmax-exact merge is w_a * out_a + w_b * out_b (0, never NaN, for a row empty on both sides)."""
+    base = _finite(torch.logaddexp(lse_a, lse_b))
+    return torch.exp(lse_a - base), torch.exp(lse_b - base)
 
 
 class CombineSpec:
@@ -60,10 +56,6 @@ class CombineSpec:
         if self.columns is None:
             return flat.view(tokens, self.size, self.width).transpose(0, 1)
         return flat.index_select(1, self.columns.reshape(-1)).view(tokens, self.size, self.width).transpose(0, 1)
-
-    def column_lse(self, lse: torch.Tensor) -> torch.Tensor:
-        """[T, A] per-head LSEs -> [T, W], the LSE of each of this rank's columns."""
-        return lse.index_select(1, self.head_of_col)
 
 
 def combine(out: torch.Tensor, lse: torch.Tensor, spec: CombineSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +98,7 @@ def attend_cache(
     need_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of q [T, Hq, Dk] to the whole (DCP-sharded) cached context: this rank's merged columns [T, W] and,
-    when `need_lse`, the LSE of each column [T, W]."""
+    when `need_lse`, the LSE of each attended head [T, A] (`spec.head_of_col` maps the columns to those heads)."""
     tokens, heads, _ = q.shape
     if spec.gather > 1:  # [gather * T, Hq, Dk] -> [T, gather * Hq, Dk], heads of query-group rank i at slot i
         q = (
@@ -117,6 +109,6 @@ def attend_cache(
         )
     out, lse = backend.paged(q, key_cache, value_cache, spec.value_dim, kv, scale)
     if spec.size == 1:
-        return out.reshape(tokens, -1), spec.column_lse(lse) if need_lse else None
+        return out.reshape(tokens, -1), lse if need_lse else None
     merged, lse_total = combine(out, lse, spec)
-    return merged, spec.column_lse(lse_total) if need_lse else None
+    return merged, lse_total if need_lse else None

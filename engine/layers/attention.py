@@ -19,7 +19,7 @@ from torch import nn
 
 from engine import kv_quant
 from engine.attention.backend import AttentionMetadata, PagedKV, Rotary, current_metadata
-from engine.attention.dcp_combine import CombineSpec, attend_cache, merge_attention
+from engine.attention.dcp_combine import CombineSpec, attend_cache, merge_weights
 from engine.distributed import all_reduce_max, get_parallel
 
 # vLLM's calibration constants (its K_SCALE_CONSTANT / V_SCALE_CONSTANT defaults): a calibrated scale maps the first
@@ -59,7 +59,13 @@ class PagedAttention(nn.Module):
         self.new_heads = slice(heads.start - share.q_heads.start, heads.stop - share.q_heads.start)
         self.new_columns = slice(columns.start - heads.start * value_dim, columns.stop - heads.start * value_dim)
         self.new_kv, self.new_kv_index = _kv_heads_of(heads, heads_per_kv, par.role.kv_head_start, par.device)
-        self.new_head_of_col = torch.arange(columns.start, columns.stop, device=par.device) // value_dim - heads.start
+        new_head_of_col = torch.arange(columns.start, columns.stop, device=par.device) // value_dim - heads.start
+        # a chunk's merge with its cached context: each column takes the weights of its (new-token head, cached-context
+        # head) pair, computed once per pair (a few heads) instead of once per column
+        pairs, self.pair_of_col = torch.unique(
+            torch.stack([new_head_of_col, self.spec.head_of_col.to(par.device)], 1), dim=0, return_inverse=True
+        )
+        self.pair_new_head, self.pair_cache_head = pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of rotated q, k and v (MLA)."""
@@ -138,11 +144,14 @@ class PagedAttention(nn.Module):
             return o
         lo, hi = md.prefill_context_rows  # a step's fresh prompts have no context: no merge for their rows
         oc, lse_c = self._attend_cache(q[lo:hi], md, md.prefill_context, True)
-        lse_new = lse[lo:hi].index_select(1, self.new_head_of_col)
-        merged, _ = merge_attention(o[lo:hi].unsqueeze(-1), lse_new, oc.unsqueeze(-1), lse_c)
+        w_new, w_c = merge_weights(
+            lse[lo:hi].index_select(1, self.pair_new_head), lse_c.index_select(1, self.pair_cache_head)
+        )
+        w_new, w_c = w_new.index_select(1, self.pair_of_col), w_c.index_select(1, self.pair_of_col)
+        merged = (o[lo:hi].float() * w_new + oc.float() * w_c).to(o.dtype)
         if hi - lo == o.shape[0]:
-            return merged.squeeze(-1)
-        o[lo:hi] = merged.squeeze(-1)  # o is this layer's own output of prefill_new
+            return merged
+        o[lo:hi] = merged  # o is this layer's own output of prefill_new
         return o
 
 
