@@ -1220,45 +1220,28 @@ inline void prefill_pack_block(const T* k, int64_t k_token_stride, const T* v, i
     for (int64_t d = 0; d < a.dk; ++d) std::fill(panel + d * kPrefillKeys + n, panel + (d + 1) * kPrefillKeys, 0.f);
 }
 
-// Each prompt's first key block (blocks of kPrefillKeys keys; each prompt's keys start a block), and the total last.
-inline std::vector<int64_t> prefill_first_blocks(const int64_t* cu, int64_t prompts) {
-  std::vector<int64_t> first_block(prompts + 1, 0);
-  for (int64_t p = 0; p < prompts; ++p)
-    first_block[p + 1] = first_block[p] + (cu[p + 1] - cu[p] + kPrefillKeys - 1) / kPrefillKeys;
-  return first_block;
-}
-
-// Calls pack(item, kv head, first token, keys) for every (KV head, key block) of every prompt, over the threads;
-// item = head * total_blocks + block indexes the packed blocks.
-template <typename Pack>
-void for_each_key_block(const int64_t* cu, const std::vector<int64_t>& first_block, const PrefillShape& a,
-                        int64_t block_elements, Pack pack) {
-  at::parallel_for(0, a.kv_heads * a.total_blocks, grain_for(block_elements), [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t head = item / a.total_blocks, block = item % a.total_blocks;
-      const int64_t p = std::upper_bound(first_block.begin(), first_block.end(), block) - first_block.begin() - 1;
-      const int64_t token = cu[p] + (block - first_block[p]) * kPrefillKeys;
-      pack(item, head, token, std::min(kPrefillKeys, cu[p + 1] - token));
-    }
-  });
-}
-
 struct PrefillItem {
   int64_t prompt, head, first;  // first: the item's first query token within its prompt
 };
 
 // A prefill's work items, (prompt, KV head, up to `tokens_per_item` query tokens), and their split over the threads
 // by work (rows x keys: later query tokens see more keys) in contiguous runs: part p runs items
-// [part_start(p), part_start(p + 1)).
+// [part_start(p), part_start(p + 1)). Keys are packed in blocks of kPrefillKeys, each prompt's keys starting a block:
+// block index head * total_blocks + first_block[prompt] + key / kPrefillKeys (`block`).
 struct PrefillItems {
+  const int64_t* cu;
+  const PrefillShape& a;
+  std::vector<int64_t> first_block;  // each prompt's first key block, the total last
   std::vector<PrefillItem> items;
   std::vector<int64_t> work_before{0};  // running sum of rows x keys
   int64_t parts = 1;
 
-  PrefillItems(const int64_t* cu, int64_t prompts, const PrefillShape& a, int64_t tokens_per_item) {
+  PrefillItems(const int64_t* cu_seqlens, int64_t prompts, const PrefillShape& shape, int64_t tokens_per_item)
+      : cu(cu_seqlens), a(shape), first_block(prompts + 1, 0) {
     const int64_t group = a.heads / a.kv_heads;
     for (int64_t p = 0; p < prompts; ++p) {
       const int64_t n = cu[p + 1] - cu[p];
+      first_block[p + 1] = first_block[p] + (n + kPrefillKeys - 1) / kPrefillKeys;
       for (int64_t g = 0; g < a.kv_heads; ++g)
         for (int64_t first = 0; first < n; first += tokens_per_item) {
           const int64_t last = std::min(n, first + tokens_per_item);
@@ -1273,6 +1256,23 @@ struct PrefillItems {
   int64_t part_start(int64_t part) const {  // the first item whose work starts at or after the part's share
     const int64_t share = work_before.back() * part / parts;
     return std::lower_bound(work_before.begin(), work_before.end() - 1, share) - work_before.begin();
+  }
+
+  int64_t block(const PrefillItem& item, int64_t key) const {  // the packed block holding the item's key `key`
+    return item.head * a.total_blocks + first_block[item.prompt] + key / kPrefillKeys;
+  }
+
+  // Calls pack(block, kv head, first token, keys) for every packed key block, over the threads.
+  template <typename Pack>
+  void for_each_key_block(int64_t block_elements, Pack pack) const {
+    at::parallel_for(0, a.kv_heads * a.total_blocks, grain_for(block_elements), [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t head = item / a.total_blocks, block = item % a.total_blocks;
+        const int64_t p = std::upper_bound(first_block.begin(), first_block.end(), block) - first_block.begin() - 1;
+        const int64_t token = cu[p] + (block - first_block[p]) * kPrefillKeys;
+        pack(item, head, token, std::min(kPrefillKeys, cu[p + 1] - token));
+      }
+    });
   }
 };
 
@@ -1289,17 +1289,16 @@ void prefill_causal_heads(const T* q, const T* k, const T* v, const int64_t* cu,
   constexpr int64_t R = kPrefillRows, KB = kPrefillKeys;
   const int64_t group = a.heads / a.kv_heads, dk = a.dk, dv_pad = a.dv_pad;
   const int64_t QT = std::clamp<int64_t>(kPrefillItemRows / group, 1, kPrefillMaxTokens);  // query tokens per item
-  const std::vector<int64_t> first_block = prefill_first_blocks(cu, prompts);
+  const PrefillItems plan(cu, prompts, a, QT);
   // every element the items read is written by the packing: no zero-filled allocation (megabytes per layer)
   const std::unique_ptr<float[]> panels(new float[a.kv_heads * a.total_blocks * dk * KB]);
   const std::unique_ptr<float[]> values(new float[a.kv_heads * a.total_blocks * KB * dv_pad]);
-  for_each_key_block(cu, first_block, a, KB * (dk + dv_pad), [&](int64_t item, int64_t head, int64_t token, int64_t n) {
+  plan.for_each_key_block(KB * (dk + dv_pad), [&](int64_t item, int64_t head, int64_t token, int64_t n) {
     prefill_pack_block(k + token * k_strides[0] + head * k_strides[1], k_strides[0],
                        v + token * v_strides[0] + head * v_strides[1], v_strides[0], n, a, panels.get() + item * dk * KB,
                        values.get() + item * KB * dv_pad);
   });
 
-  const PrefillItems plan(cu, prompts, a, QT);
   const std::vector<PrefillItem>& items = plan.items;
   at::parallel_for(0, plan.parts, 1, [&](int64_t part_begin, int64_t part_end) {
     const int64_t max_rows = (QT * group + R - 1) / R * R;
@@ -1321,7 +1320,7 @@ void prefill_causal_heads(const T* q, const T* k, const T* v, const int64_t* cu,
       const int64_t keys_end = item.first + tokens;  // keys [0, keys_end) of the prompt
       for (int64_t k0 = 0; k0 < keys_end; k0 += KB) {
         const int64_t n_keys = std::min(KB, keys_end - k0);
-        const int64_t block = item.head * a.total_blocks + first_block[item.prompt] + k0 / KB;
+        const int64_t block = plan.block(item, k0);
         // the keys row m may see in this block: through its own token (padding rows: as the last real row)
         auto visible = [&](int64_t m) { return item.first + std::min(m, rows - 1) / group + 1 - k0; };
         constexpr int64_t tile = 2 * kPrefillLanes;  // scores come in tiles of 2 vectors of keys
@@ -1353,16 +1352,17 @@ void prefill_causal_heads(const T* q, const T* k, const T* v, const int64_t* cu,
 //
 // Where torch's cpublas can pack bfloat16 for its brgemm (a CPU with AMX), the two products of each key block are
 // brgemm calls on the stored bits (fp32 sums): scores = Q.K^T of the item's rows, then acc += P.V with the
-// probabilities rounded to bfloat16, as torch's flash attention rounds them. The softmax between them is
-// prefill_causal_heads' (fp32, the same online steps). Keys and values are packed once per layer into the VNNI
+// probabilities rounded to bfloat16, as torch's flash attention rounds them, with an AVX-512 online softmax per row
+// between them (amx_softmax_row, fp32). Keys and values are packed once per layer into the VNNI
 // layout brgemm reads (pairs of consecutive K-dimension elements side by side): keys as K^T [dk/2][64 keys][2],
 // values as [32 key pairs][dv][2], zeros past a prompt's last key and past an odd dk.
 constexpr int64_t kAmxItemRows = 192, kAmxMaxTokens = 64;  // rows per item: 64 tokens x a group of 3 (12 row tiles)
 
 // One row's online-softmax step over a key block of 64 scores, 16 lanes at a time: the first `visible` scores, scaled,
 // become exp(score - top) rounded to bfloat16 in `probs` (the rest 0), where `top` is the row's reference point (its
-// running max, moved lazily), and the row's sums and accumulator are rescaled when it moves. The sum stays 16 lanes of partial sums (`sums`), added up once at the end. exp is ATen's exp_u20 (20 ulp): the probabilities are rounded to bfloat16
-// (2^-9 relative) right after.
+// running max, moved lazily), and the row's sums and accumulator are rescaled when it moves. The sum stays 16 lanes
+// of partial sums (`sums`), added up once at the end. exp is ATen's exp_u20 (20 ulp): the probabilities are rounded
+// to bfloat16 (2^-9 relative) right after.
 inline void amx_softmax_row(const float* __restrict__ row, int64_t visible, float scale, float& top,
                             float* __restrict__ sums, float* __restrict__ acc, int64_t dv_pad,
                             uint16_t* __restrict__ probs) {
@@ -1429,18 +1429,17 @@ void prefill_causal_amx(const c10::BFloat16* q, const c10::BFloat16* k, const c1
   constexpr int64_t KB = kPrefillKeys;
   const int64_t group = a.heads / a.kv_heads, dk2 = (a.dk + 1) / 2 * 2, dv = a.dv, dv_pad = a.dv_pad;
   const int64_t QT = std::clamp<int64_t>(kAmxItemRows / group, 1, kAmxMaxTokens);
-  const std::vector<int64_t> first_block = prefill_first_blocks(cu, prompts);
+  const PrefillItems plan(cu, prompts, a, QT);
   const std::unique_ptr<uint32_t[]> keys(new uint32_t[a.kv_heads * a.total_blocks * dk2 / 2 * KB]);
   const std::unique_ptr<uint16_t[]> values(new uint16_t[a.kv_heads * a.total_blocks * KB * dv]);
   auto bits = [](const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); };
-  for_each_key_block(cu, first_block, a, KB * (dk2 + dv), [&](int64_t item, int64_t head, int64_t token, int64_t n) {
+  plan.for_each_key_block(KB * (dk2 + dv), [&](int64_t item, int64_t head, int64_t token, int64_t n) {
     amx_pack_keys(bits(k + token * k_strides[0] + head * k_strides[1]), k_strides[0], n, a.dk,
                   keys.get() + item * dk2 / 2 * KB);
     amx_pack_values(bits(v + token * v_strides[0] + head * v_strides[1]), v_strides[0], n, dv,
                     values.get() + item * KB * dv);
   });
 
-  const PrefillItems plan(cu, prompts, a, QT);
   at::parallel_for(0, plan.parts, 1, [&](int64_t part_begin, int64_t part_end) {
     const int64_t max_rows = QT * group;
     std::vector<uint16_t> qb(max_rows * dk2, 0), pb(max_rows * KB);
@@ -1460,7 +1459,7 @@ void prefill_causal_amx(const c10::BFloat16* q, const c10::BFloat16* k, const c1
       const int64_t keys_end = item.first + tokens;  // keys [0, keys_end) of the prompt
       for (int64_t k0 = 0; k0 < keys_end; k0 += KB) {
         const int64_t n_keys = std::min(KB, keys_end - k0);
-        const int64_t block = item.head * a.total_blocks + first_block[item.prompt] + k0 / KB;
+        const int64_t block = plan.block(item, k0);
         brgemm(rows, KB, dk2, dk2, KB, KB, false, reinterpret_cast<const c10::BFloat16*>(qb.data()),
                reinterpret_cast<const c10::BFloat16*>(keys.get() + block * dk2 / 2 * KB), scores.data());
         for (int64_t m = 0; m < rows; ++m)
