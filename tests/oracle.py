@@ -193,13 +193,16 @@ def write_plan(folder: Path, model: Path, settings: dict | None = None, name: st
     return path
 
 
-def engine_bf16_tokens(tmp_path: Path, folder: Path) -> tuple[list[list[int]], list[list[int]]]:
-    """Greedy bf16 tokens of a one-rank `cpu`-backend run of `folder` (in this process) for four prompts of 1-130
-    tokens, each asserted to be HF bf16's by `hf_bf16_disagreements`; returns the prompts and the tokens."""
+def engine_bf16_tokens(
+    tmp_path: Path, folder: Path, settings: dict | None = None
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy bf16 tokens of a one-rank `cpu`-backend run of `folder` (in this process, with plan `settings`) for
+    four prompts of 1-130 tokens, each asserted to be HF bf16's by `hf_bf16_disagreements`; returns the prompts and
+    the tokens."""
     from engine import LLM, SamplingParams
 
     prompts = prompt_ids(4, [1, 9, 40, 130], seed=7)
-    plan = write_plan(tmp_path, folder, {"model.dtype": "bfloat16", "attention.backend": "cpu"})
+    plan = write_plan(tmp_path, folder, {"model.dtype": "bfloat16", "attention.backend": "cpu", **(settings or {})})
     with LLM(plan) as llm:
         outputs = [
             out.token_ids

@@ -379,14 +379,27 @@ def test_a_refused_packing_falls_back_instead_of_crashing(monkeypatch, caplog):
     assert torch.equal(layer.project(x), torch.nn.functional.linear(x, weight))
 
 
+SMOLLM2_HEADS = {"head_dim": 64, "num_heads": 6, "num_kv_heads": 2, "hidden_size": 96}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sizes", [{}, {"head_dim": 64, "num_heads": 6, "num_kv_heads": 2, "hidden_size": 96}])
-def test_engine_bf16_tokens_are_hf_bf16s(tmp_path, tiny_models, sizes):
+@pytest.mark.parametrize(
+    ("sizes", "settings"),
+    [
+        ({}, {}),
+        (SMOLLM2_HEADS, {}),
+        (SMOLLM2_HEADS, {"scheduler.max_num_batched_tokens": 48}),
+    ],
+    ids=["small-heads", "smollm2-heads", "smollm2-heads-chunked"],
+)
+def test_engine_bf16_tokens_are_hf_bf16s(tmp_path, tiny_models, sizes, settings):
     """bf16 greedy tokens against HF bf16 by the rule in tests/oracle.py (`hf_bf16_disagreements`), on the
     path this process's ISA level chooses; the forced-AVX2 run below repeats it on the AVX2 path. Heads of 64 dims
-    in groups of 3 (SmolLM2's) take the decode kernel's vector paths (AVX512-BF16 key dots where the CPU has them)."""
+    in groups of 3 (SmolLM2's) take the decode kernel's vector paths (AVX512-BF16 key dots where the CPU has them);
+    a budget of 48 tokens chunks the 130-token prompt, whose later chunks attend to their cached context and to
+    themselves in one pass of the prefill kernel (brgemm on AMX)."""
     folder = tiny_models("llama", **sizes)
-    prompts, outputs = engine_bf16_tokens(tmp_path, folder)
+    prompts, outputs = engine_bf16_tokens(tmp_path, folder, settings)
     shifted = [(t + 1) % 500 for t in outputs[-1]]  # the rule does reject tokens HF would not pick
     assert len(hf_bf16_disagreements(folder, prompts[-1], shifted)) > len(shifted) // 2
 

@@ -7,6 +7,8 @@ fp32 outputs to 2e-5 absolute + 1e-4 relative, bf16 outputs to their rounding (1
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -95,6 +97,64 @@ def test_prefill_causal_takes_mla_values_inside_the_keys(dtype):
     v = k[..., :32]
     out, lse = cpu_kernels.prefill_causal(q, k, v, cu, 0.3)
     check(out, lse, *reference(q, k, v, lengths, 0.3), dtype)
+
+
+def paged_context(
+    k: torch.Tensor, v: torch.Tensor, full: list[int], cached: list[int], block_size: int = 16, seed: int = 0
+) -> tuple[cpu_kernels.PrefillContext, torch.Tensor, torch.Tensor]:
+    """Each sequence's first cached[p] of its full[p] tokens (rows of k / v, sequences back to back) stored in the
+    second layer of a two-layer paged cache (block-major storage: strided views, as the engine allocates), at
+    shuffled blocks; and the remaining rows of k and v (the chunk's new tokens)."""
+    from engine.attention import kv_cache
+
+    tables_len = max(-(-n // block_size) for n in full)
+    blocks = torch.randperm(len(full) * tables_len + 3, generator=torch.Generator().manual_seed(seed))
+    tables = blocks[: len(full) * tables_len].view(len(full), tables_len).contiguous()
+    kv_heads, dim = k.shape[1], max(k.shape[2], v.shape[2])
+    _, layers = kv_cache.allocate(2, len(blocks), block_size, kv_heads, dim, False, k.dtype, torch.device("cpu"), False)
+    key_cache, value_cache = layers[1][0][..., : k.shape[2]], layers[1][1][..., : v.shape[2]]
+    new, start = [], 0
+    for p, (n, c) in enumerate(zip(full, cached, strict=True)):
+        for j in range(c):
+            block, offset = tables[p, j // block_size], j % block_size
+            key_cache[block, offset], value_cache[block, offset] = k[start + j], v[start + j]
+        new.append(torch.arange(start + c, start + n))
+        start += n
+    rows = torch.cat(new)
+    context = cpu_kernels.PrefillContext(torch.tensor(cached), tables, key_cache, value_cache)
+    return context, k[rows], v[rows]
+
+
+@NEEDS_KERNELS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "dk", "dv"), [(9, 3, 64, 64), (5, 1, 40, 24)])
+def test_prefill_causal_attends_cached_context_in_the_same_pass(dtype, heads, kv_heads, dk, dv):
+    """Chunks continuing prompts whose first tokens are in the paged cache (0, 1, 63, 64, 200 and 700 cached tokens,
+    blocks of 16 at shuffled places): each new token sees every cached token and the new ones up to itself, so the
+    rows equal those of causal attention over the whole prompt in fp64, LSEs included; 1 and 2 threads give the
+    same bits, and a step with no cached token gives the bits of the plain call."""
+    full, cached = [5, 9, 100, 64, 230, 701], [0, 1, 63, 64, 200, 700]
+    q, k, v, _ = layer_inputs(full, heads, kv_heads, dk, dv, dtype, seed=21)
+    context, k_new, v_new = paged_context(k, v, full, cached)
+    starts = torch.tensor([0, *full]).cumsum(0)
+    new_rows = torch.cat([torch.arange(s + c, s + n) for s, n, c in zip(starts.tolist(), full, cached, strict=False)])
+    cu = torch.tensor([0, *(n - c for n, c in zip(full, cached, strict=True))]).cumsum(0)
+    scale = dk**-0.5
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernels.prefill_causal(q[new_rows], k_new, v_new, cu, scale, context)
+        torch.set_num_threads(2)
+        out, lse = cpu_kernels.prefill_causal(q[new_rows], k_new, v_new, cu, scale, context)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out, one[0]) and torch.equal(lse, one[1])
+    want_o, want_l = reference(q, k, v, full, scale)
+    check(out, lse, want_o[new_rows], want_l[new_rows], dtype)
+    fresh = dataclasses.replace(context, lens=torch.zeros(len(full), dtype=torch.long))
+    plain = cpu_kernels.prefill_causal(q, k, v, starts, scale)
+    with_none = cpu_kernels.prefill_causal(q, k, v, starts, scale, fresh)
+    assert torch.equal(plain[0], with_none[0]) and torch.equal(plain[1], with_none[1])
 
 
 @NEEDS_KERNELS

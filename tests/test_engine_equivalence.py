@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.kernels.cpu_kernels import cpu_kernels_available
 from tests.oracle import LOGPROB_TOL, hf_greedy, prompt_ids, write_plan
 
 LENGTHS = [1, 5, 17, 40, 100, 150]  # 150 spans 10 blocks of 16 and 3 of 64
@@ -41,8 +42,22 @@ def test_greedy_matches_hf(tmp_path, tiny_models, arch, sizes, block_size, backe
     check_against_hf(folder, prompts, outputs)
 
 
-def test_chunked_prefill_mixed_batches_and_preemption(tmp_path, tiny_models):
-    """A small token budget chunks long prompts while others decode; a small cache forces preemption."""
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_chunked_prefill_mixed_batches_and_preemption(tmp_path, tiny_models, backend, monkeypatch):
+    """A small token budget chunks long prompts while others decode; a small cache forces preemption. The torch
+    backend attends to a chunk's cached context and merges by LSE; the cpu backend's kernel attends to both in one
+    pass (`prefill_in_context`), which must run here."""
+    from engine.attention.cpu_backend import CpuBackend
+
+    one_pass = []
+    original = CpuBackend.prefill_in_context
+
+    def spy(self, *args):
+        out = original(self, *args)
+        one_pass.append(out is not None)
+        return out
+
+    monkeypatch.setattr(CpuBackend, "prefill_in_context", spy)
     folder = tiny_models("llama")
     prompts = prompt_ids(len(LENGTHS), LENGTHS, seed=1)
     # 2 layers x 2 x 2 KV heads x 16 dims x 4 B = 512 B/token: 96 KiB = 48 blocks of 4 = 192 tokens
@@ -54,6 +69,7 @@ def test_chunked_prefill_mixed_batches_and_preemption(tmp_path, tiny_models):
             "cache.block_size": 4,
             "cache.memory": "96KiB",
             "scheduler.max_num_batched_tokens": 24,
+            "attention.backend": backend,
         },
     )
     with LLM(plan) as llm:
@@ -61,6 +77,7 @@ def test_chunked_prefill_mixed_batches_and_preemption(tmp_path, tiny_models):
         assert llm.engine.scheduler.num_preemptions > 0
         assert llm.engine.blocks.num_used_blocks == 0
     assert any(o.num_preemptions for o in outputs)
+    assert (len(one_pass) > 0 and all(one_pass)) == (backend == "cpu" and cpu_kernels_available())
     check_against_hf(folder, prompts, outputs)
 
 

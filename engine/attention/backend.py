@@ -49,6 +49,10 @@ class PrefillNew:
     cu_seqlens: torch.Tensor  # [P + 1] int64
     seq_lens: list[int]
     max_len: int
+    # without DCP, where some chunk continues a cached prompt: each chunk's cached tokens [P] int64 (0 for a fresh
+    # prompt) and block tables [P, W], for a backend that attends to the context in the same pass (`prefill_in_context`)
+    context_lens: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
 
 
 @dataclass
@@ -142,6 +146,21 @@ class AttentionBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefill: PrefillNew, scale: float, need_lse: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Causal attention of each chunk's new tokens to themselves."""
+
+    def prefill_in_context(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        prefill: PrefillNew,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """Without DCP: each chunk's new tokens attend to their prompt's cached context (`prefill.context_lens`
+        tokens of the cache, which hold exactly the stored keys and values) and causally to themselves in one pass,
+        out [T, H, Dv]; None where this backend cannot (the layer then attends to the context and merges by LSE)."""
+        return None
 
     @abstractmethod
     def paged(

@@ -10,7 +10,11 @@ brgemm calls (AMX tiles), faster than torch's CPU flash attention at every promp
 Rapids Xeon, 2 threads (benchmarks/cpu_prefill_attention.py, per layer, torch's flash / the kernel: 1.95 / 1.16 ms
 at 16x128 tokens, 2.64 / 2.03 at 8x256, 3.87 / 2.45 at 4x512, 2.53 / 2.27 at 1x1024, 10.9 / 9.0 at 4x1000); fp32,
 and bf16 on CPUs without AMX, run its vector path (fp32 on that Xeon: faster than torch's flash at every shape).
-Multi-query context attention stays on the torch backend's path, as does everything when the kernels cannot be built
+Without DCP, a chunk that continues a cached prompt (chunked prefill, prefix cache) attends to its cached context and
+to its new tokens in the same kernel call (`prefill_in_context`: the context's keys and values read from the paged
+cache as the kernel packs them), instead of a torch flash call over a gathered copy of the context and a merge of the
+two by LSE; with DCP the context is sharded and goes through the DCP path. Other multi-query context attention stays
+on the torch backend's path, as does everything when the kernels cannot be built
 here (`cpu_kernels_available`) or the model or cache dtype is one they do not take (float16: `KERNEL_DTYPES`,
 `KERNEL_CACHE_DTYPES`). An fp8 cache (cache.dtype fp8_e4m3 / fp8_e5m2) takes the kernels: they store the bytes
 `kv_quant.to_cache` stores (value / scale, in fp32) and read them back exactly; the layer folds the scales into the
@@ -25,6 +29,7 @@ from engine.attention.torch_backend import TorchBackend
 from engine.kernels.cpu_kernels import (
     KERNEL_CACHE_DTYPES,
     KERNEL_DTYPES,
+    PrefillContext,
     cpu_kernels_available,
     paged_decode,
     prefill_causal,
@@ -64,6 +69,15 @@ class CpuBackend(TorchBackend):
             return super().prefill_new(q, k, v, prefill, scale, need_lse)
         out, lse = prefill_causal(q, k, v, prefill.cu_seqlens, scale)
         return out, lse if need_lse else None
+
+    def prefill_in_context(self, q, k, v, prefill, key_cache, value_cache, scale):
+        tensors = (q, k, v, key_cache, value_cache)
+        if not self.kernels or not q.is_cpu or q.dtype not in KERNEL_DTYPES or any(t.dtype != q.dtype for t in tensors):
+            return None
+        if any(t.stride(-1) != 1 for t in tensors):
+            return None
+        context = PrefillContext(prefill.context_lens, prefill.block_tables, key_cache, value_cache)
+        return prefill_causal(q, k, v, prefill.cu_seqlens, scale, context)[0]
 
     def paged(self, q, key_cache, value_cache, value_dim, kv, scale):
         if not self.kernels or not kv.one_query_each or q.device.type != "cpu" or not _kernel_dtypes(q, key_cache):

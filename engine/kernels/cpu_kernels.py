@@ -31,6 +31,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -305,14 +306,36 @@ def paged_decode(
     return torch.ops.dcpctl.paged_decode(q, key_cache, value_cache, block_tables, lens, scale, value_dim)
 
 
+@dataclass(frozen=True)
+class PrefillContext:
+    """The cached tokens a prefill's prompts continue (`prefill_causal`): prompt p's first lens[p] tokens, stored in
+    one layer's cache views [blocks, B, Hkv, D] (the model's dtype) at the blocks of row p of block_tables [P, W]."""
+
+    lens: torch.Tensor  # [P] int64 (0: a fresh prompt)
+    block_tables: torch.Tensor  # [P, W] int64
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+
+
 def prefill_causal(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    context: PrefillContext | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of each prompt's tokens (cu_seqlens [P + 1] int64) to themselves: q [T, H, Dk],
     k [T, Hkv, Dk], v [T, Hkv, Dv] of one dtype (fp32/bf16; any strides but the last), each KV head read once for
     its H / Hkv query heads; softmax in fp32 (bf16 on AMX: the probabilities rounded to bf16 for P.V, as torch's
-    flash attention rounds them; `prefill_uses_amx`). Returns out [T, H, Dv] (q's dtype) and lse [T, H] (fp32)."""
-    return torch.ops.dcpctl.prefill_causal(q, k, v, cu_seqlens, scale)
+    flash attention rounds them; `prefill_uses_amx`). With `context`, prompt p's tokens also attend to the first
+    context.lens[p] tokens of its sequence in the paged cache, which precede them, in the same pass. Returns
+    out [T, H, Dv] (q's dtype) and lse [T, H] (fp32) over every key attended."""
+    if context is None:
+        return torch.ops.dcpctl.prefill_causal(q, k, v, cu_seqlens, scale)
+    return torch.ops.dcpctl.prefill_causal(
+        q, k, v, cu_seqlens, scale, context.lens, context.key_cache, context.value_cache, context.block_tables
+    )
 
 
 def prefill_uses_amx() -> bool:

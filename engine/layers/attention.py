@@ -4,7 +4,9 @@ The layer returns the columns of the attention output that the plan's placement 
 its own heads, or with the sharded placement a 1/dcp slice of its DCP group's heads (which may cut through a head).
 Prefill chunks attend causally to their own new tokens (all in hand), computing only the heads that overlap the
 rank's columns, and, when they have cached context, to that context through the DCP path; the two parts merge by
-LSE, column by column. With an fp8 cache the new tokens attend to their keys and values as the cache stores them
+LSE, column by column. Without DCP a backend may attend to the context and the new tokens in one pass instead
+(`prefill_in_context`: the CPU kernels read the context from the paged cache), with no merge. With an fp8 cache the
+new tokens attend to their keys and values as the cache stores them
 (engine.kv_quant), so a prompt's answer does not depend on whether its prefix came from the cache, a
 preemption's recompute or the prompt itself. Decoding tokens are already in the cache (written first) and attend to
 it through the DCP path. The layer holds its cache's scales (`k_scale`, `v_scale`; MLA: one for the latent): the
@@ -66,6 +68,15 @@ class PagedAttention(nn.Module):
             torch.stack([new_head_of_col, self.spec.head_of_col.to(par.device)], 1), dim=0, return_inverse=True
         )
         self.pair_new_head, self.pair_cache_head = pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
+        # without DCP, when the new tokens' heads are the cached context's (no query gather, whole KV groups, separate
+        # values), a chunk attends to its context and to itself in one pass where the backend can (no merge)
+        self.one_pass_context = (
+            self.spec.size == 1
+            and not value_in_key
+            and self.new_kv_index is None
+            and share.attended == share.q_heads
+            and torch.equal(self.pair_new_head, self.pair_cache_head)
+        )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention of rotated q, k and v (MLA)."""
@@ -138,6 +149,11 @@ class PagedAttention(nn.Module):
         if kv_quant.is_fp8(self.key_cache.dtype):  # the new tokens see each other as the cache stores them
             dtype = self.key_cache.dtype
             k, v = kv_quant.as_stored(k, dtype, self.k_scale), kv_quant.as_stored(v, dtype, self.v_scale)
+        if context and self.one_pass_context and md.prefill.context_lens is not None:
+            caches = self.key_cache[:, :, self.new_kv], self.value_cache[:, :, self.new_kv]
+            o = backend.prefill_in_context(q[:, self.new_heads], k, v, md.prefill, *caches, self.scale)
+            if o is not None:
+                return o.reshape(o.shape[0], -1)[:, self.new_columns]
         o, lse = backend.prefill_new(q[:, self.new_heads], k, v, md.prefill, self.scale, need_lse=context)
         o = o.reshape(o.shape[0], -1)[:, self.new_columns]
         if not context:

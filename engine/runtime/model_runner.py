@@ -244,6 +244,9 @@ class ModelRunner:
                 )
                 first_row = sum(prefill_counts[:lo])
                 md.prefill_context_rows = (first_row, first_row + sum(prefill_counts[lo:hi]))
+                if d == 1:
+                    md.prefill.context_lens = torch.tensor(context, device=self.device)
+                    md.prefill.block_tables = tables[:num_prefills]
         if md.num_decode_tokens:
             ends = [ch.start + 1 for ch in step.chunks[num_prefills:]]  # the new token is already in the cache
             md.decode = self._paged_kv(

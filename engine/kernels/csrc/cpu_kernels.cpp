@@ -12,7 +12,8 @@
 //   rotary_store_kv  rotary of a layer's query and key heads and the store of its keys and values, in one op.
 //   paged_decode  one query per sequence against its paged keys/values: exact softmax in fp32,
 //                 returning the log-sum-exp per head (the DCP merge needs it).
-//   prefill_causal  causal attention of each prompt's new tokens to themselves (GQA without repeated keys), exact
+//   prefill_causal  causal attention of each prompt's new tokens to themselves and, optionally, to the prompt's
+//                 cached context read from the paged cache in the same pass (GQA without repeated keys), exact
 //                 softmax in fp32, with the log-sum-exp: one op per layer instead of a flash call per prompt
 //                 (bf16 on an AMX CPU: the products on oneDNN's brgemm, `prefill_uses_amx`).
 //   silu_and_mul  silu(gate) * up of [gate | up] rows in one pass, with torch's `F.silu(gate) * up` bits.
@@ -1100,6 +1101,37 @@ struct PrefillShape {
   float scale;
 };
 
+// Where prompt p's key j lives: its first context[p] keys are cached tokens in the paged cache (row p of the block
+// tables; cache views [blocks, B, Hkv, D]), the rest are the prompt's new tokens, rows cu[p] + j - context[p] of
+// k / v. Without context (context == nullptr) every key is a new token.
+template <typename T>
+struct PrefillKeys {
+  const T *k, *v;
+  std::array<int64_t, 2> k_strides, v_strides;
+  const int64_t* cu;
+  const int64_t* context = nullptr;
+  const T *key_cache = nullptr, *value_cache = nullptr;
+  std::array<int64_t, 3> kc_strides{}, vc_strides{};
+  const int64_t* tables = nullptr;
+  int64_t table_width = 0, block_size = 1;
+
+  int64_t cached(int64_t p) const { return context ? context[p] : 0; }
+
+  const T* key(int64_t p, int64_t j, int64_t head) const {
+    const int64_t c = cached(p);
+    if (j >= c) return k + (cu[p] + j - c) * k_strides[0] + head * k_strides[1];
+    const int64_t block = tables[p * table_width + j / block_size];
+    return key_cache + block * kc_strides[0] + j % block_size * kc_strides[1] + head * kc_strides[2];
+  }
+
+  const T* value(int64_t p, int64_t j, int64_t head) const {
+    const int64_t c = cached(p);
+    if (j >= c) return v + (cu[p] + j - c) * v_strides[0] + head * v_strides[1];
+    const int64_t block = tables[p * table_width + j / block_size];
+    return value_cache + block * vc_strides[0] + j % block_size * vc_strides[1] + head * vc_strides[2];
+  }
+};
+
 // scores[m][t] = sum_d qf[m][d] * panel[d][t] for rows [0, rows) (whole tiles) and keys [0, keys) (whole tiles of 2
 // vectors), row tile by row tile; `visible(m)`: the keys row m's tile needs at most (later tiles are skipped).
 template <typename Visible>
@@ -1205,12 +1237,14 @@ inline void prefill_softmax_row(float* __restrict__ row, int64_t visible, int64_
   sum += block_sum;
 }
 
-// Pack one key block of one prompt and KV head: keys transposed into a panel [dk][kPrefillKeys] of fp32 (zeros past
-// the prompt), and the block's value rows widened into [n][dv_pad] (zeros past dv).
+// Pack one key block of one prompt and KV head (its keys first .. first + n - 1): keys transposed into a panel
+// [dk][kPrefillKeys] of fp32 (zeros past the prompt), and the block's value rows widened into [n][dv_pad] (zeros
+// past dv).
 template <typename T>
-inline void prefill_pack_block(const T* k, int64_t k_token_stride, const T* v, int64_t v_token_stride, int64_t n,
+inline void prefill_pack_block(const PrefillKeys<T>& src, int64_t prompt, int64_t head, int64_t first, int64_t n,
                                const PrefillShape& a, float* __restrict__ panel, float* __restrict__ values) {
-  for (int64_t j = 0; j < n; ++j, k += k_token_stride, v += v_token_stride) {
+  for (int64_t j = 0; j < n; ++j) {
+    const T *k = src.key(prompt, first + j, head), *v = src.value(prompt, first + j, head);
     for (int64_t d = 0; d < a.dk; ++d) panel[d * kPrefillKeys + j] = to_float(k[d]);
     float* row = values + j * a.dv_pad;
     for (int64_t i = 0; i < a.dv; ++i) row[i] = to_float(v[i]);
@@ -1226,32 +1260,37 @@ struct PrefillItem {
 
 // A prefill's work items, (prompt, KV head, up to `tokens_per_item` query tokens), and their split over the threads
 // by work (rows x keys: later query tokens see more keys) in contiguous runs: part p runs items
-// [part_start(p), part_start(p + 1)). Keys are packed in blocks of kPrefillKeys, each prompt's keys starting a block:
-// block index head * total_blocks + first_block[prompt] + key / kPrefillKeys (`block`).
+// [part_start(p), part_start(p + 1)). A prompt's keys are its cached context (`context`, nullptr: none) then its new
+// tokens; they are packed in blocks of kPrefillKeys, each prompt's keys starting a block: block index
+// head * total_blocks + first_block[prompt] + key / kPrefillKeys (`block`).
 struct PrefillItems {
   const int64_t* cu;
+  const int64_t* context;
   const PrefillShape& a;
   std::vector<int64_t> first_block;  // each prompt's first key block, the total last
   std::vector<PrefillItem> items;
   std::vector<int64_t> work_before{0};  // running sum of rows x keys
   int64_t parts = 1;
 
-  PrefillItems(const int64_t* cu_seqlens, int64_t prompts, const PrefillShape& shape, int64_t tokens_per_item)
-      : cu(cu_seqlens), a(shape), first_block(prompts + 1, 0) {
+  PrefillItems(const int64_t* cu_seqlens, const int64_t* context_lens, int64_t prompts, const PrefillShape& shape,
+               int64_t tokens_per_item)
+      : cu(cu_seqlens), context(context_lens), a(shape), first_block(prompts + 1, 0) {
     const int64_t group = a.heads / a.kv_heads;
     for (int64_t p = 0; p < prompts; ++p) {
-      const int64_t n = cu[p + 1] - cu[p];
-      first_block[p + 1] = first_block[p] + (n + kPrefillKeys - 1) / kPrefillKeys;
+      const int64_t n = cu[p + 1] - cu[p], cached = cached_keys(p);
+      first_block[p + 1] = first_block[p] + (cached + n + kPrefillKeys - 1) / kPrefillKeys;
       for (int64_t g = 0; g < a.kv_heads; ++g)
         for (int64_t first = 0; first < n; first += tokens_per_item) {
           const int64_t last = std::min(n, first + tokens_per_item);
           items.push_back({p, g, first});
-          work_before.push_back(work_before.back() + (last - first) * group * last);
+          work_before.push_back(work_before.back() + (last - first) * group * (cached + last));
         }
     }
     const int64_t most = std::min<int64_t>(at::get_num_threads(), items.size());
     parts = std::clamp<int64_t>(work_before.back() * (a.dk + a.dv_pad) / kSerialElements, 1, std::max<int64_t>(most, 1));
   }
+
+  int64_t cached_keys(int64_t prompt) const { return context ? context[prompt] : 0; }
 
   int64_t part_start(int64_t part) const {  // the first item whose work starts at or after the part's share
     const int64_t share = work_before.back() * part / parts;
@@ -1262,41 +1301,40 @@ struct PrefillItems {
     return item.head * a.total_blocks + first_block[item.prompt] + key / kPrefillKeys;
   }
 
-  // Calls pack(block, kv head, first token, keys) for every packed key block, over the threads.
+  // Calls pack(block, prompt, kv head, first key, keys) for every packed key block, over the threads.
   template <typename Pack>
   void for_each_key_block(int64_t block_elements, Pack pack) const {
     at::parallel_for(0, a.kv_heads * a.total_blocks, grain_for(block_elements), [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
         const int64_t head = item / a.total_blocks, block = item % a.total_blocks;
         const int64_t p = std::upper_bound(first_block.begin(), first_block.end(), block) - first_block.begin() - 1;
-        const int64_t token = cu[p] + (block - first_block[p]) * kPrefillKeys;
-        pack(item, head, token, std::min(kPrefillKeys, cu[p + 1] - token));
+        const int64_t first = (block - first_block[p]) * kPrefillKeys;
+        pack(item, p, head, first, std::min(kPrefillKeys, cached_keys(p) + cu[p + 1] - cu[p] - first));
       }
     });
   }
 };
 
-// Causal attention within each prompt (tokens cu[p] .. cu[p+1]-1), GQA without repeating keys: work items are
+// Causal attention of each prompt's new tokens (cu[p] .. cu[p+1]-1) to its cached context and to themselves
+// (`PrefillKeys`: the new token i sees every cached key and new keys 0 .. i), GQA without repeating keys: work items are
 // (prompt, KV head, up to 32 query tokens), whose rows are the tokens x the group's query heads (token-major). Keys and
 // values are packed once per layer (prefill_pack_block); an item walks its keys a block at a time: the scores of a
 // tile of rows x 2 vectors of keys in registers, an online softmax step per row (fp32), then P.V with a tile of rows x
 // 2 vectors of value dims in registers. Tiles past a tile's last causal key are skipped. The items are split over
 // the threads by their work (rows x keys: later query tokens see more keys), in contiguous runs.
 template <typename T>
-void prefill_causal_heads(const T* q, const T* k, const T* v, const int64_t* cu, int64_t prompts,
-                          std::array<int64_t, 2> q_strides, std::array<int64_t, 2> k_strides,
-                          std::array<int64_t, 2> v_strides, T* out, float* lse, const PrefillShape& a) {
+void prefill_causal_heads(const T* q, const PrefillKeys<T>& src, int64_t prompts, std::array<int64_t, 2> q_strides,
+                          T* out, float* lse, const PrefillShape& a) {
   constexpr int64_t R = kPrefillRows, KB = kPrefillKeys;
   const int64_t group = a.heads / a.kv_heads, dk = a.dk, dv_pad = a.dv_pad;
   const int64_t QT = std::clamp<int64_t>(kPrefillItemRows / group, 1, kPrefillMaxTokens);  // query tokens per item
-  const PrefillItems plan(cu, prompts, a, QT);
+  const int64_t* cu = src.cu;
+  const PrefillItems plan(cu, src.context, prompts, a, QT);
   // every element the items read is written by the packing: no zero-filled allocation (megabytes per layer)
   const std::unique_ptr<float[]> panels(new float[a.kv_heads * a.total_blocks * dk * KB]);
   const std::unique_ptr<float[]> values(new float[a.kv_heads * a.total_blocks * KB * dv_pad]);
-  plan.for_each_key_block(KB * (dk + dv_pad), [&](int64_t item, int64_t head, int64_t token, int64_t n) {
-    prefill_pack_block(k + token * k_strides[0] + head * k_strides[1], k_strides[0],
-                       v + token * v_strides[0] + head * v_strides[1], v_strides[0], n, a, panels.get() + item * dk * KB,
-                       values.get() + item * KB * dv_pad);
+  plan.for_each_key_block(KB * (dk + dv_pad), [&](int64_t item, int64_t p, int64_t head, int64_t first, int64_t n) {
+    prefill_pack_block(src, p, head, first, n, a, panels.get() + item * dk * KB, values.get() + item * KB * dv_pad);
   });
 
   const std::vector<PrefillItem>& items = plan.items;
@@ -1317,12 +1355,12 @@ void prefill_causal_heads(const T* q, const T* k, const T* v, const int64_t* cu,
       std::fill(acc.begin(), acc.begin() + padded * dv_pad, 0.f);
       std::fill(top.begin(), top.end(), neg_inf);
       std::fill(sum.begin(), sum.end(), 0.f);
-      const int64_t keys_end = item.first + tokens;  // keys [0, keys_end) of the prompt
-      for (int64_t k0 = 0; k0 < keys_end; k0 += KB) {
+      const int64_t cached = plan.cached_keys(item.prompt), keys_end = cached + item.first + tokens;
+      for (int64_t k0 = 0; k0 < keys_end; k0 += KB) {  // keys [0, keys_end) of the prompt: cached, then new
         const int64_t n_keys = std::min(KB, keys_end - k0);
         const int64_t block = plan.block(item, k0);
         // the keys row m may see in this block: through its own token (padding rows: as the last real row)
-        auto visible = [&](int64_t m) { return item.first + std::min(m, rows - 1) / group + 1 - k0; };
+        auto visible = [&](int64_t m) { return cached + item.first + std::min(m, rows - 1) / group + 1 - k0; };
         constexpr int64_t tile = 2 * kPrefillLanes;  // scores come in tiles of 2 vectors of keys
         auto score_keys = [&](int64_t m) {
           return (std::clamp<int64_t>(visible(m), 0, n_keys) + tile - 1) / tile * tile;
@@ -1401,20 +1439,25 @@ inline void amx_softmax_row(const float* __restrict__ row, int64_t visible, floa
   _mm512_storeu_si512(probs + 32, (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]));
 }
 
-inline void amx_pack_keys(const uint16_t* k, int64_t stride, int64_t n, int64_t dk, uint32_t* __restrict__ out) {
+// Keys first .. first + n - 1 of one prompt and KV head as K^T [dk/2][64 keys][2] (zeros past n and an odd dk).
+inline void amx_pack_keys(const PrefillKeys<c10::BFloat16>& src, int64_t prompt, int64_t head, int64_t first,
+                          int64_t n, int64_t dk, uint32_t* __restrict__ out) {
   const int64_t pairs = (dk + 1) / 2;
-  for (int64_t j = 0; j < n; ++j, k += stride) {
+  for (int64_t j = 0; j < n; ++j) {
+    const uint16_t* k = reinterpret_cast<const uint16_t*>(src.key(prompt, first + j, head));
     for (int64_t w = 0; w < dk / 2; ++w) out[w * kPrefillKeys + j] = k[2 * w] | (uint32_t{k[2 * w + 1]} << 16);
     if (dk % 2) out[(pairs - 1) * kPrefillKeys + j] = k[dk - 1];
   }
   for (int64_t w = 0; w < pairs; ++w) std::fill(out + w * kPrefillKeys + n, out + (w + 1) * kPrefillKeys, 0u);
 }
 
-inline void amx_pack_values(const uint16_t* v, int64_t stride, int64_t n, int64_t dv, uint16_t* __restrict__ out) {
+// The same keys' values as [32 key pairs][dv][2] (zeros past n).
+inline void amx_pack_values(const PrefillKeys<c10::BFloat16>& src, int64_t prompt, int64_t head, int64_t first,
+                            int64_t n, int64_t dv, uint16_t* __restrict__ out) {
   for (int64_t j = 0; j < kPrefillKeys; ++j) {
     uint16_t* o = out + (j / 2) * dv * 2 + j % 2;
     if (j < n) {
-      const uint16_t* row = v + j * stride;
+      const uint16_t* row = reinterpret_cast<const uint16_t*>(src.value(prompt, first + j, head));
       for (int64_t c = 0; c < dv; ++c) o[2 * c] = row[c];
     } else {
       for (int64_t c = 0; c < dv; ++c) o[2 * c] = 0;
@@ -1422,22 +1465,19 @@ inline void amx_pack_values(const uint16_t* v, int64_t stride, int64_t n, int64_
   }
 }
 
-void prefill_causal_amx(const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v, const int64_t* cu,
-                        int64_t prompts, std::array<int64_t, 2> q_strides, std::array<int64_t, 2> k_strides,
-                        std::array<int64_t, 2> v_strides, c10::BFloat16* out, float* lse, const PrefillShape& a) {
+void prefill_causal_amx(const c10::BFloat16* q, const PrefillKeys<c10::BFloat16>& src, int64_t prompts,
+                        std::array<int64_t, 2> q_strides, c10::BFloat16* out, float* lse, const PrefillShape& a) {
   using at::native::cpublas::brgemm;
   constexpr int64_t KB = kPrefillKeys;
   const int64_t group = a.heads / a.kv_heads, dk2 = (a.dk + 1) / 2 * 2, dv = a.dv, dv_pad = a.dv_pad;
   const int64_t QT = std::clamp<int64_t>(kAmxItemRows / group, 1, kAmxMaxTokens);
-  const PrefillItems plan(cu, prompts, a, QT);
+  const int64_t* cu = src.cu;
+  const PrefillItems plan(cu, src.context, prompts, a, QT);
   const std::unique_ptr<uint32_t[]> keys(new uint32_t[a.kv_heads * a.total_blocks * dk2 / 2 * KB]);
   const std::unique_ptr<uint16_t[]> values(new uint16_t[a.kv_heads * a.total_blocks * KB * dv]);
-  auto bits = [](const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); };
-  plan.for_each_key_block(KB * (dk2 + dv), [&](int64_t item, int64_t head, int64_t token, int64_t n) {
-    amx_pack_keys(bits(k + token * k_strides[0] + head * k_strides[1]), k_strides[0], n, a.dk,
-                  keys.get() + item * dk2 / 2 * KB);
-    amx_pack_values(bits(v + token * v_strides[0] + head * v_strides[1]), v_strides[0], n, dv,
-                    values.get() + item * KB * dv);
+  plan.for_each_key_block(KB * (dk2 + dv), [&](int64_t item, int64_t p, int64_t head, int64_t first, int64_t n) {
+    amx_pack_keys(src, p, head, first, n, a.dk, keys.get() + item * dk2 / 2 * KB);
+    amx_pack_values(src, p, head, first, n, dv, values.get() + item * KB * dv);
   });
 
   at::parallel_for(0, plan.parts, 1, [&](int64_t part_begin, int64_t part_end) {
@@ -1456,14 +1496,14 @@ void prefill_causal_amx(const c10::BFloat16* q, const c10::BFloat16* k, const c1
       std::fill(acc.begin(), acc.begin() + rows * dv_pad, 0.f);
       std::fill(top.begin(), top.end(), neg_inf);
       std::fill(sums.begin(), sums.end(), 0.f);
-      const int64_t keys_end = item.first + tokens;  // keys [0, keys_end) of the prompt
-      for (int64_t k0 = 0; k0 < keys_end; k0 += KB) {
+      const int64_t cached = plan.cached_keys(item.prompt), keys_end = cached + item.first + tokens;
+      for (int64_t k0 = 0; k0 < keys_end; k0 += KB) {  // keys [0, keys_end) of the prompt: cached, then new
         const int64_t n_keys = std::min(KB, keys_end - k0);
         const int64_t block = plan.block(item, k0);
         brgemm(rows, KB, dk2, dk2, KB, KB, false, reinterpret_cast<const c10::BFloat16*>(qb.data()),
                reinterpret_cast<const c10::BFloat16*>(keys.get() + block * dk2 / 2 * KB), scores.data());
         for (int64_t m = 0; m < rows; ++m)
-          amx_softmax_row(scores.data() + m * KB, std::min(item.first + m / group + 1 - k0, n_keys), a.scale, top[m],
+          amx_softmax_row(scores.data() + m * KB, std::min(cached + item.first + m / group + 1 - k0, n_keys), a.scale, top[m],
                           sums.data() + m * 16, acc.data() + m * dv_pad, dv_pad, pb.data() + m * KB);
         brgemm(rows, dv, KB, KB, dv, dv_pad, true, reinterpret_cast<const c10::BFloat16*>(pb.data()),
                reinterpret_cast<const c10::BFloat16*>(values.get() + block * KB * dv), acc.data());
@@ -1497,9 +1537,15 @@ bool prefill_uses_amx() {
 }
 
 // q [T, H, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv] (one dtype, any strides but the last), cu_seqlens [P + 1] int64:
-// causal attention of each prompt's tokens to themselves. Returns out [T, H, Dv] (q's dtype) and lse [T, H] fp32.
+// causal attention of each prompt's tokens to themselves and, with `context_lens` [P] int64, to the first
+// context_lens[p] tokens of prompt p in the paged cache (cache views [blocks, B, Hkv, D] of q's dtype, block_tables
+// [P, W] int64), which precede its new tokens. Returns out [T, H, Dv] (q's dtype) and lse [T, H] fp32.
 std::tuple<at::Tensor, at::Tensor> prefill_causal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                  const at::Tensor& cu_seqlens, double scale) {
+                                                  const at::Tensor& cu_seqlens, double scale,
+                                                  const std::optional<at::Tensor>& context_lens,
+                                                  const std::optional<at::Tensor>& key_cache,
+                                                  const std::optional<at::Tensor>& value_cache,
+                                                  const std::optional<at::Tensor>& block_tables) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
               "prefill_causal: q/k/v [tokens, heads, dim] with a contiguous last dim expected");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
@@ -1514,10 +1560,32 @@ std::tuple<at::Tensor, at::Tensor> prefill_causal(const at::Tensor& q, const at:
   const int64_t* c = cu.data_ptr<int64_t>();
   const int64_t prompts = cu.numel() - 1;
   TORCH_CHECK(c[0] == 0 && c[prompts] == tokens, "prefill_causal: cu_seqlens must run from 0 to the token count");
+  at::Tensor context, tables;
+  if (context_lens.has_value()) {
+    TORCH_CHECK(key_cache.has_value() && value_cache.has_value() && block_tables.has_value(),
+                "prefill_causal: context_lens needs key_cache, value_cache and block_tables");
+    context = context_lens->contiguous();
+    tables = block_tables->contiguous();
+    const at::Tensor &kc = *key_cache, &vc = *value_cache;
+    TORCH_CHECK(context.scalar_type() == at::kLong && context.dim() == 1 && context.numel() == prompts,
+                "prefill_causal: int64 context_lens [prompts] expected");
+    TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 2 && tables.size(0) == prompts,
+                "prefill_causal: int64 block_tables [prompts, W] expected");
+    TORCH_CHECK(kc.dim() == 4 && vc.dim() == 4 && kc.stride(3) == 1 && vc.stride(3) == 1 &&
+                    kc.scalar_type() == q.scalar_type() && vc.scalar_type() == q.scalar_type() &&
+                    kc.size(2) == kv_heads && vc.size(2) == kv_heads && kc.size(3) == dk && vc.size(3) >= dv &&
+                    vc.size(1) == kc.size(1),
+                "prefill_causal: key/value cache views [blocks, B, Hkv, D] of q's dtype and head sizes expected");
+    const int64_t* ctx = context.data_ptr<int64_t>();
+    for (int64_t p = 0; p < prompts; ++p)
+      TORCH_CHECK(ctx[p] >= 0 && ctx[p] <= tables.size(1) * kc.size(1),
+                  "prefill_causal: a context longer than its block table");
+  }
   int64_t total_blocks = 0;
   for (int64_t p = 0; p < prompts; ++p) {
     TORCH_CHECK(c[p + 1] >= c[p], "prefill_causal: cu_seqlens must not decrease");
-    total_blocks += (c[p + 1] - c[p] + kPrefillKeys - 1) / kPrefillKeys;
+    const int64_t cached = context.defined() ? context.data_ptr<int64_t>()[p] : 0;
+    total_blocks += (cached + c[p + 1] - c[p] + kPrefillKeys - 1) / kPrefillKeys;
   }
   at::Tensor out = at::empty({tokens, heads, dv}, q.options());
   at::Tensor lse = at::empty({tokens, heads}, q.options().dtype(at::kFloat));
@@ -1525,19 +1593,33 @@ std::tuple<at::Tensor, at::Tensor> prefill_causal(const at::Tensor& q, const at:
   const int64_t pair = 2 * kPrefillLanes;
   const PrefillShape shape{tokens, heads, kv_heads, dk, dv, (dv + pair - 1) / pair * pair, total_blocks,
                            static_cast<float>(scale)};
+  auto keys_of = [&](auto tag) {
+    using T = decltype(tag);
+    PrefillKeys<T> src{k.data_ptr<T>(), v.data_ptr<T>(), {k.stride(0), k.stride(1)}, {v.stride(0), v.stride(1)}, c};
+    if (context.defined()) {
+      const at::Tensor &kc = *key_cache, &vc = *value_cache;
+      src.context = context.data_ptr<int64_t>();
+      src.key_cache = kc.data_ptr<T>();
+      src.value_cache = vc.data_ptr<T>();
+      src.kc_strides = {kc.stride(0), kc.stride(1), kc.stride(2)};
+      src.vc_strides = {vc.stride(0), vc.stride(1), vc.stride(2)};
+      src.tables = tables.data_ptr<int64_t>();
+      src.table_width = tables.size(1);
+      src.block_size = kc.size(1);
+    }
+    return src;
+  };
 #if defined(__AVX512BF16__)
   if (q.scalar_type() == at::kBFloat16 && prefill_amx_available()) {
-    prefill_causal_amx(q.data_ptr<c10::BFloat16>(), k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>(), c, prompts,
-                       {q.stride(0), q.stride(1)}, {k.stride(0), k.stride(1)}, {v.stride(0), v.stride(1)},
+    prefill_causal_amx(q.data_ptr<c10::BFloat16>(), keys_of(c10::BFloat16{}), prompts, {q.stride(0), q.stride(1)},
                        out.data_ptr<c10::BFloat16>(), lse.data_ptr<float>(), shape);
     return {out, lse};
   }
 #endif
   on_dtype(q, "prefill_causal", [&](auto tag) {
     using T = decltype(tag);
-    prefill_causal_heads(q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), c, prompts,
-                         {q.stride(0), q.stride(1)}, {k.stride(0), k.stride(1)}, {v.stride(0), v.stride(1)},
-                         out.data_ptr<T>(), lse.data_ptr<float>(), shape);
+    prefill_causal_heads(q.data_ptr<T>(), keys_of(tag), prompts, {q.stride(0), q.stride(1)}, out.data_ptr<T>(),
+                         lse.data_ptr<float>(), shape);
   });
   return {out, lse};
 }
@@ -1576,7 +1658,9 @@ TORCH_LIBRARY(dcpctl, m) {
   m.def(
       "paged_decode(Tensor q, Tensor key_cache, Tensor? value_cache, Tensor block_tables, Tensor lens, float scale, "
       "int value_dim) -> (Tensor, Tensor)");
-  m.def("prefill_causal(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, float scale) -> (Tensor, Tensor)");
+  m.def(
+      "prefill_causal(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, float scale, Tensor? context_lens=None, "
+      "Tensor? key_cache=None, Tensor? value_cache=None, Tensor? block_tables=None) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("prefill_uses_amx() -> bool", &prefill_uses_amx);  // no tensors to dispatch on
