@@ -249,9 +249,16 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 }
 
 // One head's row into the cache, converted to the cache's dtype through fp32; an fp8 cache stores value / scale (a
-// float cache's scale is 1: exact), the bytes of `kv_quant.to_cache`.
+// float cache's scale is 1: exact), the bytes of `kv_quant.to_cache`. A cache of the row's own dtype at scale 1 is
+// a copy of the same bits (no division per element).
 template <typename In, typename C>
 inline void store_row(const In* __restrict__ from, C* __restrict__ to, int64_t dim, float scale) {
+  if constexpr (std::is_same_v<In, C>) {
+    if (scale == 1.f) {
+      std::memcpy(to, from, dim * sizeof(C));
+      return;
+    }
+  }
   for (int64_t i = 0; i < dim; ++i) to[i] = from_float<C>(to_float(from[i]) / scale);
 }
 
