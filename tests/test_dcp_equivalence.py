@@ -83,6 +83,15 @@ CASES = {
             "attention.backend": "cpu",
         },
     ),
+    # without DCP the cpu backend attends to a chunk's cached context and its new tokens in one kernel call
+    "gqa2-tp2-dcp1-chunked-cpu-backend": (
+        KV2,
+        {"parallel.tp": 2, "scheduler.max_num_batched_tokens": 24, "attention.backend": "cpu"},
+    ),
+    "gqa1-tp2-dcp1-chunked-cpu-backend": (
+        KV1,
+        {"parallel.tp": 2, "scheduler.max_num_batched_tokens": 24, "attention.backend": "cpu"},
+    ),
     "gqa2-tp1-dcp2-i4-chunked-replica": (
         KV2,
         {**REPLICATED, "parallel.dcp": 2, "parallel.interleave": 4, "scheduler.max_num_batched_tokens": 24},
