@@ -453,6 +453,7 @@ def test_forced_avx2_process_runs_what_an_avx2_cpu_runs():
 
 FORCED_SUITE = [
     "tests/test_engine_equivalence.py::test_greedy_matches_hf",
+    "tests/test_engine_equivalence.py::test_chunked_prefill_mixed_batches_and_preemption",  # context in one pass
     "tests/test_cpu_backend.py",
     "tests/test_layers.py",
     "tests/test_cpu_prefill.py",  # the vector prefill attention (bf16 too: no AMX path in the x86-64-v3 build)

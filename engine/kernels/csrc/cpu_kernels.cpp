@@ -1103,8 +1103,7 @@ inline PrefillVec prefill_madd(PrefillVec a, PrefillVec b, PrefillVec c) {
 
 struct PrefillShape {
   int64_t tokens, heads, kv_heads, dk, dv;
-  int64_t dv_pad;        // dv rounded up to 2 vectors: the packed value rows and the accumulators
-  int64_t total_blocks;  // key blocks over all prompts (each prompt's keys start a block)
+  int64_t dv_pad;  // dv rounded up to 2 vectors: the packed value rows and the accumulators
   float scale;
 };
 
@@ -1122,20 +1121,21 @@ struct PrefillKeys {
   const int64_t* tables = nullptr;
   int64_t table_width = 0, block_size = 1;
 
-  int64_t cached(int64_t p) const { return context ? context[p] : 0; }
-
   const T* key(int64_t p, int64_t j, int64_t head) const {
-    const int64_t c = cached(p);
-    if (j >= c) return k + (cu[p] + j - c) * k_strides[0] + head * k_strides[1];
-    const int64_t block = tables[p * table_width + j / block_size];
-    return key_cache + block * kc_strides[0] + j % block_size * kc_strides[1] + head * kc_strides[2];
+    return row(k, k_strides, key_cache, kc_strides, p, j, head);
   }
 
   const T* value(int64_t p, int64_t j, int64_t head) const {
-    const int64_t c = cached(p);
-    if (j >= c) return v + (cu[p] + j - c) * v_strides[0] + head * v_strides[1];
+    return row(v, v_strides, value_cache, vc_strides, p, j, head);
+  }
+
+ private:
+  const T* row(const T* fresh, const std::array<int64_t, 2>& fresh_strides, const T* cache,
+               const std::array<int64_t, 3>& cache_strides, int64_t p, int64_t j, int64_t head) const {
+    const int64_t c = context ? context[p] : 0;
+    if (j >= c) return fresh + (cu[p] + j - c) * fresh_strides[0] + head * fresh_strides[1];
     const int64_t block = tables[p * table_width + j / block_size];
-    return value_cache + block * vc_strides[0] + j % block_size * vc_strides[1] + head * vc_strides[2];
+    return cache + block * cache_strides[0] + j % block_size * cache_strides[1] + head * cache_strides[2];
   }
 };
 
@@ -1275,6 +1275,7 @@ struct PrefillItems {
   const int64_t* context;
   const PrefillShape& a;
   std::vector<int64_t> first_block;  // each prompt's first key block, the total last
+  int64_t total_blocks = 0;          // key blocks over all prompts
   std::vector<PrefillItem> items;
   std::vector<int64_t> work_before{0};  // running sum of rows x keys
   int64_t parts = 1;
@@ -1293,6 +1294,7 @@ struct PrefillItems {
           work_before.push_back(work_before.back() + (last - first) * group * (cached + last));
         }
     }
+    total_blocks = first_block[prompts];
     const int64_t most = std::min<int64_t>(at::get_num_threads(), items.size());
     parts = std::clamp<int64_t>(work_before.back() * (a.dk + a.dv_pad) / kSerialElements, 1, std::max<int64_t>(most, 1));
   }
@@ -1305,15 +1307,15 @@ struct PrefillItems {
   }
 
   int64_t block(const PrefillItem& item, int64_t key) const {  // the packed block holding the item's key `key`
-    return item.head * a.total_blocks + first_block[item.prompt] + key / kPrefillKeys;
+    return item.head * total_blocks + first_block[item.prompt] + key / kPrefillKeys;
   }
 
   // Calls pack(block, prompt, kv head, first key, keys) for every packed key block, over the threads.
   template <typename Pack>
   void for_each_key_block(int64_t block_elements, Pack pack) const {
-    at::parallel_for(0, a.kv_heads * a.total_blocks, grain_for(block_elements), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, a.kv_heads * total_blocks, grain_for(block_elements), [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t head = item / a.total_blocks, block = item % a.total_blocks;
+        const int64_t head = item / total_blocks, block = item % total_blocks;
         const int64_t p = std::upper_bound(first_block.begin(), first_block.end(), block) - first_block.begin() - 1;
         const int64_t first = (block - first_block[p]) * kPrefillKeys;
         pack(item, p, head, first, std::min(kPrefillKeys, cached_keys(p) + cu[p + 1] - cu[p] - first));
@@ -1338,8 +1340,8 @@ void prefill_causal_heads(const T* q, const PrefillKeys<T>& src, int64_t prompts
   const int64_t* cu = src.cu;
   const PrefillItems plan(cu, src.context, prompts, a, QT);
   // every element the items read is written by the packing: no zero-filled allocation (megabytes per layer)
-  const std::unique_ptr<float[]> panels(new float[a.kv_heads * a.total_blocks * dk * KB]);
-  const std::unique_ptr<float[]> values(new float[a.kv_heads * a.total_blocks * KB * dv_pad]);
+  const std::unique_ptr<float[]> panels(new float[a.kv_heads * plan.total_blocks * dk * KB]);
+  const std::unique_ptr<float[]> values(new float[a.kv_heads * plan.total_blocks * KB * dv_pad]);
   plan.for_each_key_block(KB * (dk + dv_pad), [&](int64_t item, int64_t p, int64_t head, int64_t first, int64_t n) {
     prefill_pack_block(src, p, head, first, n, a, panels.get() + item * dk * KB, values.get() + item * KB * dv_pad);
   });
@@ -1480,8 +1482,8 @@ void prefill_causal_amx(const c10::BFloat16* q, const PrefillKeys<c10::BFloat16>
   const int64_t QT = std::clamp<int64_t>(kAmxItemRows / group, 1, kAmxMaxTokens);
   const int64_t* cu = src.cu;
   const PrefillItems plan(cu, src.context, prompts, a, QT);
-  const std::unique_ptr<uint32_t[]> keys(new uint32_t[a.kv_heads * a.total_blocks * dk2 / 2 * KB]);
-  const std::unique_ptr<uint16_t[]> values(new uint16_t[a.kv_heads * a.total_blocks * KB * dv]);
+  const std::unique_ptr<uint32_t[]> keys(new uint32_t[a.kv_heads * plan.total_blocks * dk2 / 2 * KB]);
+  const std::unique_ptr<uint16_t[]> values(new uint16_t[a.kv_heads * plan.total_blocks * KB * dv]);
   plan.for_each_key_block(KB * (dk2 + dv), [&](int64_t item, int64_t p, int64_t head, int64_t first, int64_t n) {
     amx_pack_keys(src, p, head, first, n, a.dk, keys.get() + item * dk2 / 2 * KB);
     amx_pack_values(src, p, head, first, n, dv, values.get() + item * KB * dv);
@@ -1510,8 +1512,8 @@ void prefill_causal_amx(const c10::BFloat16* q, const PrefillKeys<c10::BFloat16>
         brgemm(rows, KB, dk2, dk2, KB, KB, false, reinterpret_cast<const c10::BFloat16*>(qb.data()),
                reinterpret_cast<const c10::BFloat16*>(keys.get() + block * dk2 / 2 * KB), scores.data());
         for (int64_t m = 0; m < rows; ++m)
-          amx_softmax_row(scores.data() + m * KB, std::min(cached + item.first + m / group + 1 - k0, n_keys), a.scale, top[m],
-                          sums.data() + m * 16, acc.data() + m * dv_pad, dv_pad, pb.data() + m * KB);
+          amx_softmax_row(scores.data() + m * KB, std::min(cached + item.first + m / group + 1 - k0, n_keys), a.scale,
+                          top[m], sums.data() + m * 16, acc.data() + m * dv_pad, dv_pad, pb.data() + m * KB);
         brgemm(rows, dv, KB, KB, dv, dv_pad, true, reinterpret_cast<const c10::BFloat16*>(pb.data()),
                reinterpret_cast<const c10::BFloat16*>(values.get() + block * KB * dv), acc.data());
       }
@@ -1588,18 +1590,12 @@ std::tuple<at::Tensor, at::Tensor> prefill_causal(const at::Tensor& q, const at:
       TORCH_CHECK(ctx[p] >= 0 && ctx[p] <= tables.size(1) * kc.size(1),
                   "prefill_causal: a context longer than its block table");
   }
-  int64_t total_blocks = 0;
-  for (int64_t p = 0; p < prompts; ++p) {
-    TORCH_CHECK(c[p + 1] >= c[p], "prefill_causal: cu_seqlens must not decrease");
-    const int64_t cached = context.defined() ? context.data_ptr<int64_t>()[p] : 0;
-    total_blocks += (cached + c[p + 1] - c[p] + kPrefillKeys - 1) / kPrefillKeys;
-  }
+  for (int64_t p = 0; p < prompts; ++p) TORCH_CHECK(c[p + 1] >= c[p], "prefill_causal: cu_seqlens must not decrease");
   at::Tensor out = at::empty({tokens, heads, dv}, q.options());
   at::Tensor lse = at::empty({tokens, heads}, q.options().dtype(at::kFloat));
   if (tokens == 0) return {out, lse};
   const int64_t pair = 2 * kPrefillLanes;
-  const PrefillShape shape{tokens, heads, kv_heads, dk, dv, (dv + pair - 1) / pair * pair, total_blocks,
-                           static_cast<float>(scale)};
+  const PrefillShape shape{tokens, heads, kv_heads, dk, dv, (dv + pair - 1) / pair * pair, static_cast<float>(scale)};
   auto keys_of = [&](auto tag) {
     using T = decltype(tag);
     PrefillKeys<T> src{k.data_ptr<T>(), v.data_ptr<T>(), {k.stride(0), k.stride(1)}, {v.stride(0), v.stride(1)}, c};
