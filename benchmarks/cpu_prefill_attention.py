@@ -1,13 +1,15 @@
 """Prefill attention of the new tokens on CPU, per layer: the torch backend's path against `cpu_kernels.prefill_causal`.
 
     GOMP_CPU_AFFINITY="0 1" .venv/bin/python benchmarks/cpu_prefill_attention.py [--shapes 16x128 4x512 1x1024]
-        [--dtypes float32 bfloat16] [--heads 9] [--kv-heads 3] [--dim 64] [--repeats 20]
+        [--dtypes float32 bfloat16] [--heads 9] [--kv-heads 3] [--dim 64] [--repeats 20] [--products auto fp32]
 
 SmolLM2-135M's heads by default (9 query / 3 KV heads of 64 dims). A shape PxN is P prompts of N tokens in one
 prefill step. The inputs are what a layer hands `prefill_new`: q and k contiguous (rotary's outputs), v a strided
 slice of one [T, Hq + 2 Hkv, D] projection. `old` is `TorchBackend.prefill_new` (a CPU flash call per prompt, K/V
 repeated for GQA), `new` the kernel; they alternate call by call, one warm-up each, and each figure is the best (and
-median) of `--repeats` calls, in ms per layer. Prints one JSON line per shape and dtype.
+median) of `--repeats` calls, in ms per layer. Prints one JSON line per shape and dtype. `--products` times the
+kernel's bf16 paths side by side (`cpu_kernels.prefill_bf16_products()`: amx, avx512_bf16, fp32; `auto` is `new`),
+each as `<name>_ms` with its speedup over `old`; float32 runs `auto` only.
 
     GOMP_CPU_AFFINITY="0 1" .venv/bin/python benchmarks/cpu_prefill_attention.py --model [--torch-prefill]
         [--prompts 16] [--prompt-len 128] [--dtype float32] [--repeats 5]
@@ -45,14 +47,16 @@ def inputs(
 
 
 def compare(prompts: int, tokens: int, args: argparse.Namespace, dtype: torch.dtype) -> dict[str, float | str]:
-    """Old and new per-layer times (ms), alternating, and the new output's largest difference from the old."""
+    """Old and new per-layer times (ms), alternating, and each new output's largest difference from the old."""
     q, k, v, prefill = inputs(prompts, tokens, args, dtype)
     scale = args.dim**-0.5
     backend = TorchBackend()
     paths: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor | None]]] = {
-        "old": lambda: backend.prefill_new(q, k, v, prefill, scale, True),
-        "new": lambda: cpu_kernels.prefill_causal(q, k, v, prefill.cu_seqlens, scale),
+        "old": lambda: backend.prefill_new(q, k, v, prefill, scale, True)
     }
+    for products in args.products if dtype == torch.bfloat16 else ["auto"]:
+        name = "new" if products == "auto" else products
+        paths[name] = lambda p=products: cpu_kernels.prefill_causal(q, k, v, prefill.cu_seqlens, scale, products=p)
     outs = {name: run() for name, run in paths.items()}  # the warm-up
     times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(args.repeats):
@@ -60,18 +64,21 @@ def compare(prompts: int, tokens: int, args: argparse.Namespace, dtype: torch.dt
             start = time.perf_counter()
             run()
             times[name].append((time.perf_counter() - start) * 1e3)
-    old, new = min(times["old"]), min(times["new"])
-    return {
+    old = min(times["old"])
+    result: dict[str, float | str] = {
         "shape": f"{prompts}x{tokens}",
         "dtype": str(dtype).removeprefix("torch."),
         "old_ms": round(old, 3),
-        "new_ms": round(new, 3),
         "old_median_ms": round(statistics.median(times["old"]), 3),
-        "new_median_ms": round(statistics.median(times["new"]), 3),
-        "speedup": round(old / new, 2),
-        "max_out_diff": (outs["new"][0].float() - outs["old"][0].float()).abs().max().item(),
-        "max_lse_diff": (outs["new"][1] - outs["old"][1]).abs().max().item(),
     }
+    for name in list(paths)[1:]:
+        suffix = "" if name == "new" else f"_{name}"
+        result[f"{name}_ms"] = round(min(times[name]), 3)
+        result[f"{name}_median_ms"] = round(statistics.median(times[name]), 3)
+        result[f"speedup{suffix}"] = round(old / min(times[name]), 2)
+        result[f"max_out_diff{suffix}"] = (outs[name][0].float() - outs["old"][0].float()).abs().max().item()
+        result[f"max_lse_diff{suffix}"] = (outs[name][1] - outs["old"][1]).abs().max().item()
+    return result
 
 
 def whole_prefill(args: argparse.Namespace) -> dict[str, float | str]:
@@ -109,6 +116,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--products", nargs="+", default=["auto"], help="bf16 kernel paths to time (auto: `new`)")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls (--model: timed prefills, use ~5)")
     parser.add_argument("--model", action="store_true", help="time the whole model's prefill step instead")
     parser.add_argument("--torch-prefill", action="store_true", help="--model: the torch backend's prefill attention")

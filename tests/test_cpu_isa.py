@@ -24,6 +24,7 @@ from engine.kernels.cpu_paths import (
     BF16_GEMM_ENV,
     PREFILL_MIN_ROWS,
     CpuPaths,
+    bf16_dot_leads,
     gemm_choices,
     prefill_gemm_choices,
     requested_bf16_gemm,
@@ -160,9 +161,16 @@ def test_avx512_bf16_cpus_get_a_build_of_their_own():
 
 
 def test_gemm_choices_per_level_and_dtype():
+    """bf16 batches: oneDNN where it runs on AMX tiles or the CPU has no AVX512-BF16, the panel GEMM's dot-product
+    kernel on AVX512-BF16 without AMX (Zen 4) and with AVX2 (where oneDNN refuses bf16); fp32: the panel GEMM."""
     avx512 = cpu_isa.CpuIsa("avx512", "avx512", ZEN4)
     avx2 = cpu_isa.CpuIsa("avx2", "avx2", EPYC_AVX2)
-    assert gemm_choices(avx512, "bfloat16", True) == ("onednn", "panels", "torch")
+    amx = cpu_isa.CpuIsa("avx512", "avx512", ZEN4 | {"amx_bf16", "amx_tile"})
+    no_bf16 = cpu_isa.CpuIsa("avx512", "avx512", ZEN4 - {"avx512_bf16"})
+    assert gemm_choices(avx512, "bfloat16", True) == ("panels", "onednn", "torch")
+    assert gemm_choices(avx512, "bfloat16", False) == ("onednn", "torch")
+    for isa in (amx, no_bf16):
+        assert gemm_choices(isa, "bfloat16", True) == ("onednn", "panels", "torch")
     assert gemm_choices(avx2, "bfloat16", True) == ("panels", "onednn", "torch")
     assert gemm_choices(avx2, "bfloat16", False) == ("onednn", "torch")
     assert gemm_choices(avx512, "float32", True) == gemm_choices(avx2, "float32", True) == ("panels", "onednn", "torch")
@@ -189,7 +197,12 @@ def test_the_bf16_gemm_switch_puts_its_choice_first(monkeypatch):
         "CPU ISA avx512 + avx512_bf16; C++ kernels: x86-64-v4-avx512bf16 build; bfloat16 linear layers: GEMV for 1-2 "
         "rows, engine panel GEMM (AVX512-BF16 dot products) for more;"
     ) in line
-    assert "oneDNN packed for more" in CpuPaths(avx512, "bfloat16", True, "cpu").describe()
+    amx = cpu_isa.CpuIsa("avx512", "avx512", ZEN4 | {"amx_bf16", "amx_tile"})
+    assert "oneDNN packed for more;" in CpuPaths(amx, "bfloat16", True, "cpu").describe()
+    assert "oneDNN packed from" not in CpuPaths(amx, "bfloat16", True, "cpu").describe()
+    assert "engine panel GEMM (AVX512-BF16 dot products) for more, oneDNN packed from 512 rows;" in (
+        CpuPaths(avx512, "bfloat16", True, "cpu").describe()
+    )
     monkeypatch.setenv(BF16_GEMM_ENV, " Panels ")
     assert requested_bf16_gemm() == "panels"
     monkeypatch.setenv(BF16_GEMM_ENV, "mkl")
@@ -216,12 +229,14 @@ def test_the_start_up_line_names_the_bf16_dot_product_kernel(monkeypatch):
 
 
 def test_prefill_gemm_choices_per_level_and_dtype():
-    """Prefill-sized fp32 inputs take oneDNN with AVX-512; everything else takes what batched decode takes."""
+    """Prefill-sized fp32 and bf16 inputs take oneDNN with AVX-512; everything else takes what batched decode takes."""
     avx512 = cpu_isa.CpuIsa("avx512", "avx512", ZEN4)
     avx2 = cpu_isa.CpuIsa("avx2", "avx2", EPYC_AVX2)
+    amx = cpu_isa.CpuIsa("avx512", "avx512", ZEN4 | {"amx_bf16", "amx_tile"})
     assert prefill_gemm_choices(avx512, "float32", True) == ("onednn", "panels", "torch")
     assert prefill_gemm_choices(avx512, "float32", False) == ("onednn", "torch")
-    for isa, dtype in ((avx2, "float32"), (avx512, "bfloat16"), (avx2, "bfloat16"), (avx2, "float16")):
+    assert prefill_gemm_choices(avx512, "bfloat16", True) == ("onednn", "panels", "torch")
+    for isa, dtype in ((avx2, "float32"), (amx, "bfloat16"), (avx2, "bfloat16"), (avx2, "float16")):
         assert prefill_gemm_choices(isa, dtype, True) == gemm_choices(isa, dtype, True)
     line = CpuPaths(avx512, "float32", True, "cpu").describe()
     assert f"GEMV for 1-2 rows, engine panel GEMM for more, oneDNN packed from {PREFILL_MIN_ROWS} rows;" in line
@@ -287,14 +302,16 @@ def test_panel_gemm_keeps_nan_and_takes_strided_weights():
 @NEEDS_KERNELS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layers_take_the_gemm_the_isa_level_allows(dtype):
-    """bf16 takes oneDNN where oneDNN packs it (AVX-512 / AVX-NE-CONVERT), else the panel GEMM (DCPCTL_BF16_GEMM
-    chooses otherwise); fp32 the panels."""
+    """bf16 takes oneDNN where oneDNN packs it (AVX-512 / AVX-NE-CONVERT) unless the panel GEMM's dot-product kernel
+    leads (AVX512-BF16 without AMX), else the panel GEMM (DCPCTL_BF16_GEMM chooses otherwise); fp32 the panels."""
     g = torch.Generator().manual_seed(1)
     weight, x = torch.randn(96, 64, generator=g).to(dtype), torch.randn(17, 64, generator=g).to(dtype)
     if not cpu_gemm.packing_available():
         pytest.skip("this torch build has no oneDNN packed linear")
     layer = _layer(weight)
-    onednn = cpu_isa.detect().onednn_bf16 and requested_bf16_gemm() != "panels"  # a refused oneDNN falls back
+    isa, requested = cpu_isa.detect(), requested_bf16_gemm()
+    wanted = requested == "onednn" or (requested == "auto" and not bf16_dot_leads(isa))
+    onednn = isa.onednn_bf16 and wanted  # a refused oneDNN falls back
     assert layer.gemm == ("onednn" if dtype == torch.bfloat16 and onednn else "panels")
     torch.testing.assert_close(layer.project(x).float(), (x.float() @ weight.float().T), atol=0.1, rtol=2e-2)
 
@@ -312,7 +329,7 @@ def test_rows_on_each_side_of_the_prefill_bound_take_their_gemm(dtype, with_bias
     bias = torch.randn(200, generator=g).to(dtype) if with_bias else None
     layer = _layer(weight)
     isa = cpu_isa.detect()
-    onednn = (isa.level == "avx512") if dtype == torch.float32 else isa.onednn_bf16
+    onednn = isa.level == "avx512" if dtype == torch.float32 else isa.onednn_bf16 and requested_bf16_gemm() != "panels"
     want_prefill = "onednn" if onednn else "panels"
     assert layer.prefill_gemm == want_prefill
     assert layer.prefill_rows == (PREFILL_MIN_ROWS if want_prefill != layer.gemm else sys.maxsize)
@@ -483,7 +500,7 @@ def test_equivalence_suite_on_the_forced_avx2_path(tmp_path):
     _suite_passes(FORCED_SUITE, _forced_avx2_env(), tmp_path, timeout=1500)
 
 
-PANELS_SUITE = [
+SWITCH_SUITE = [
     "tests/test_layers.py",
     "tests/test_cpu_isa.py::test_layers_take_the_gemm_the_isa_level_allows",
     "tests/test_cpu_isa.py::test_engine_bf16_tokens_are_hf_bf16s",
@@ -493,12 +510,15 @@ PANELS_SUITE = [
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_bf16_on_the_panel_gemm_where_onednn_is_the_default(tmp_path):
-    """DCPCTL_BF16_GEMM=panels on a CPU where bf16 layers take oneDNN: the layer and HF-token tests again on the
-    engine's panel GEMM (with AVX512-BF16, its dot-product kernel), the path the switch selects."""
-    if not cpu_isa.detect().onednn_bf16:
-        pytest.skip("bf16 layers take the engine's panel GEMM on this CPU already: the suite itself covers it")
-    _suite_passes(PANELS_SUITE, dict(os.environ, **{BF16_GEMM_ENV: "panels"}), tmp_path, timeout=900)
+def test_bf16_on_the_gemm_the_switch_selects(tmp_path):
+    """DCPCTL_BF16_GEMM on a CPU where oneDNN packs bf16: the layer and HF-token tests again on the batched-decode
+    GEMM that is not this CPU's default (oneDNN's where the panel GEMM's dot-product kernel leads, the panel GEMM
+    where oneDNN does), the path the switch selects."""
+    isa = cpu_isa.detect()
+    if not isa.onednn_bf16:
+        pytest.skip("oneDNN refuses bf16 here: the panel GEMM is the only bf16 GEMM, the suite itself covers it")
+    other = "onednn" if bf16_dot_leads(isa) else "panels"
+    _suite_passes(SWITCH_SUITE, dict(os.environ, **{BF16_GEMM_ENV: other}), tmp_path, timeout=900)
 
 
 def test_amx_is_seen_only_at_the_avx512_level_of_a_cpu_that_has_it():

@@ -19,6 +19,18 @@ from engine.kernels import cpu_kernels
 
 NEEDS_KERNELS = pytest.mark.skipif(not cpu_kernels.cpu_kernels_available(), reason="the CPU kernels did not build here")
 LENGTHS = [1, 2, 7, 16, 33, 128, 300]
+# (dtype, products): float32 on the vector path; bfloat16 on each path a CPU may run (AMX tiles, AVX512-BF16 dot
+# products, the vector path on widened values), each where this build and CPU run it
+PATHS = pytest.mark.parametrize(
+    ("dtype", "products"),
+    [(torch.float32, "fp32"), (torch.bfloat16, "amx"), (torch.bfloat16, "avx512_bf16"), (torch.bfloat16, "fp32")],
+)
+
+
+def runs_here(dtype: torch.dtype, products: str) -> None:
+    """Skip, saying why, where this build and CPU do not run `products` for `dtype`."""
+    if dtype == torch.bfloat16 and products not in cpu_kernels.prefill_bf16_products():
+        pytest.skip(f"bf16 products {products!r} do not run here ({', '.join(cpu_kernels.prefill_bf16_products())} do)")
 
 
 def reference(
@@ -59,7 +71,7 @@ def check(out, lse, want_o, want_l, dtype) -> None:
 
 
 @NEEDS_KERNELS
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@PATHS
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dk", "dv"),
     [
@@ -70,17 +82,18 @@ def check(out, lse, want_o, want_l, dtype) -> None:
         (5, 1, 40, 24),  # odd head sizes (padded to whole vectors), a group of 5
     ],
 )
-def test_prefill_causal_matches_fp64_attention(dtype, heads, kv_heads, dk, dv):
+def test_prefill_causal_matches_fp64_attention(dtype, products, heads, kv_heads, dk, dv):
     """Prompts of 1 .. 300 tokens in one call (key blocks of 64 cut mid-prompt, items of 32 query tokens cut mid-
     block), strided q, k and v; 1 and 2 threads give the same bits (the work split never changes an item's sums)."""
+    runs_here(dtype, products)
     q, k, v, cu = layer_inputs(LENGTHS, heads, kv_heads, dk, dv, dtype)
     scale = dk**-0.5
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu_kernels.prefill_causal(q, k, v, cu, scale)
+        one = cpu_kernels.prefill_causal(q, k, v, cu, scale, products=products)
         torch.set_num_threads(2)
-        out, lse = cpu_kernels.prefill_causal(q, k, v, cu, scale)
+        out, lse = cpu_kernels.prefill_causal(q, k, v, cu, scale, products=products)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(out, one[0]) and torch.equal(lse, one[1])
@@ -88,14 +101,15 @@ def test_prefill_causal_matches_fp64_attention(dtype, heads, kv_heads, dk, dv):
 
 
 @NEEDS_KERNELS
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_causal_takes_mla_values_inside_the_keys(dtype):
+@PATHS
+def test_prefill_causal_takes_mla_values_inside_the_keys(dtype, products):
     """MLA (DeepSeek-V2): one latent KV head for all 16 query heads (items of 6 query tokens: 96 rows), the values
     the first Dv dims of the keys."""
+    runs_here(dtype, products)
     lengths = [5, 70, 1]
     q, k, _, cu = layer_inputs(lengths, 16, 1, 40, 32, dtype, seed=3)
     v = k[..., :32]
-    out, lse = cpu_kernels.prefill_causal(q, k, v, cu, 0.3)
+    out, lse = cpu_kernels.prefill_causal(q, k, v, cu, 0.3, products=products)
     check(out, lse, *reference(q, k, v, lengths, 0.3), dtype)
 
 
@@ -126,13 +140,14 @@ def paged_context(
 
 
 @NEEDS_KERNELS
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@PATHS
 @pytest.mark.parametrize(("heads", "kv_heads", "dk", "dv"), [(9, 3, 64, 64), (5, 1, 40, 24)])
-def test_prefill_causal_attends_cached_context_in_the_same_pass(dtype, heads, kv_heads, dk, dv):
+def test_prefill_causal_attends_cached_context_in_the_same_pass(dtype, products, heads, kv_heads, dk, dv):
     """Chunks continuing prompts whose first tokens are in the paged cache (0, 1, 63, 64, 200 and 700 cached tokens,
     blocks of 16 at shuffled places): each new token sees every cached token and the new ones up to itself, so the
     rows equal those of causal attention over the whole prompt in fp64, LSEs included; 1 and 2 threads give the
     same bits, and a step with no cached token gives the bits of the plain call."""
+    runs_here(dtype, products)
     full, cached = [5, 9, 100, 64, 230, 701], [0, 1, 63, 64, 200, 700]
     q, k, v, _ = layer_inputs(full, heads, kv_heads, dk, dv, dtype, seed=21)
     context, k_new, v_new = paged_context(k, v, full, cached)
@@ -143,17 +158,17 @@ def test_prefill_causal_attends_cached_context_in_the_same_pass(dtype, heads, kv
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu_kernels.prefill_causal(q[new_rows], k_new, v_new, cu, scale, context)
+        one = cpu_kernels.prefill_causal(q[new_rows], k_new, v_new, cu, scale, context, products)
         torch.set_num_threads(2)
-        out, lse = cpu_kernels.prefill_causal(q[new_rows], k_new, v_new, cu, scale, context)
+        out, lse = cpu_kernels.prefill_causal(q[new_rows], k_new, v_new, cu, scale, context, products)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(out, one[0]) and torch.equal(lse, one[1])
     want_o, want_l = reference(q, k, v, full, scale)
     check(out, lse, want_o[new_rows], want_l[new_rows], dtype)
     fresh = dataclasses.replace(context, lens=torch.zeros(len(full), dtype=torch.long))
-    plain = cpu_kernels.prefill_causal(q, k, v, starts, scale)
-    with_none = cpu_kernels.prefill_causal(q, k, v, starts, scale, fresh)
+    plain = cpu_kernels.prefill_causal(q, k, v, starts, scale, products=products)
+    with_none = cpu_kernels.prefill_causal(q, k, v, starts, scale, fresh, products)
     assert torch.equal(plain[0], with_none[0]) and torch.equal(plain[1], with_none[1])
 
 
@@ -172,6 +187,11 @@ def test_prefill_causal_edges_and_errors():
         cpu_kernels.prefill_causal(q.transpose(1, 2), k, v, cu, 0.125)
     with pytest.raises(RuntimeError, match="cu_seqlens"):
         cpu_kernels.prefill_causal(q, k, v, cu[:-1], 0.125)
+    refused = r"products 'avx512_bf16' do not run for Float in this build on this CPU \(fp32\)"
+    with pytest.raises(RuntimeError, match=refused):
+        cpu_kernels.prefill_causal(q, k, v, cu, 0.125, products="avx512_bf16")
+    with pytest.raises(RuntimeError, match="products 'tiles' do not run for BFloat16"):
+        cpu_kernels.prefill_causal(q.bfloat16(), k.bfloat16(), v.bfloat16(), cu, 0.125, products="tiles")
 
 
 @NEEDS_KERNELS
@@ -202,14 +222,17 @@ def test_cpu_backend_prefill_uses_the_kernel_and_falls_back(need_lse):
 
 
 @NEEDS_KERNELS
-def test_bf16_prefill_runs_on_amx_where_the_cpu_has_it():
-    """The AVX512-BF16 build on a CPU with AMX runs bf16 prefill attention on brgemm (elsewhere, a forced AVX2 build
-    included, the vector path), and the CPU backend takes the kernel at every prompt length, short and long, not
-    torch's flash op (whose bits differ)."""
+def test_bf16_prefill_runs_on_the_best_products_the_cpu_has():
+    """bf16 prefill attention runs on AMX tiles (brgemm) where the AVX512-BF16 build meets AMX, as vdpbf16ps dot
+    products where the build has AVX512-BF16 without AMX (Zen 4), else (a forced AVX2 build included) on the vector
+    path; the CPU backend takes the kernel's default at every prompt length, short and long, not torch's flash op
+    (whose bits differ)."""
     from engine.kernels.cpu_isa import detect
 
     kernel_isa = cpu_kernels.kernel_isa()
-    assert cpu_kernels.prefill_uses_amx() == (detect().amx_bf16 and kernel_isa is not None and kernel_isa.bf16_dot)
+    dot = kernel_isa is not None and kernel_isa.bf16_dot
+    want = (["amx"] if dot and detect().amx_bf16 else []) + (["avx512_bf16"] if dot else []) + ["fp32"]
+    assert cpu_kernels.prefill_bf16_products() == want
     cpu, torch_backend = CpuBackend(), TorchBackend()
     for lengths in ([3, 40], [300, 1030]):
         q, k, v, cu = layer_inputs(lengths, 9, 3, 64, 64, torch.bfloat16, seed=11)

@@ -324,24 +324,27 @@ def prefill_causal(
     cu_seqlens: torch.Tensor,
     scale: float,
     context: PrefillContext | None = None,
+    products: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of each prompt's tokens (cu_seqlens [P + 1] int64) to themselves: q [T, H, Dk],
     k [T, Hkv, Dk], v [T, Hkv, Dv] of one dtype (fp32/bf16; any strides but the last), each KV head read once for
-    its H / Hkv query heads; softmax in fp32 (bf16 on AMX: the probabilities rounded to bf16 for P.V, as torch's
-    flash attention rounds them; `prefill_uses_amx`). With `context`, prompt p's tokens also attend to the first
-    context.lens[p] tokens of its sequence in the paged cache, which precede them, in the same pass. Returns
-    out [T, H, Dv] (q's dtype) and lse [T, H] (fp32) over every key attended."""
+    its H / Hkv query heads; softmax in fp32. bf16's products run as `products` says, one of
+    `prefill_bf16_products()` (`auto`: the first); on the stored bits (`amx`, `avx512_bf16`) the probabilities are
+    rounded to bf16 for P.V, as torch's flash attention rounds them. With `context`, prompt p's tokens also attend to
+    the first context.lens[p] tokens of its sequence in the paged cache, which precede them, in the same pass.
+    Returns out [T, H, Dv] (q's dtype) and lse [T, H] (fp32) over every key attended."""
     if context is None:
-        return torch.ops.dcpctl.prefill_causal(q, k, v, cu_seqlens, scale)
+        return torch.ops.dcpctl.prefill_causal(q, k, v, cu_seqlens, scale, products=products)
     return torch.ops.dcpctl.prefill_causal(
-        q, k, v, cu_seqlens, scale, context.lens, context.key_cache, context.value_cache, context.block_tables
+        q, k, v, cu_seqlens, scale, context.lens, context.key_cache, context.value_cache, context.block_tables, products
     )
 
 
-def prefill_uses_amx() -> bool:
-    """Whether `prefill_causal` runs bfloat16 on oneDNN's brgemm (AMX tiles) here: the AVX512-BF16 build on a CPU
-    whose AMX torch's cpublas can pack for; elsewhere bfloat16 takes the vector path, as float32 always does."""
-    return bool(torch.ops.dcpctl.prefill_uses_amx())
+def prefill_bf16_products() -> list[str]:
+    """How `prefill_causal` can run bfloat16 products in this build on this CPU, best first (the default):
+    `amx` (oneDNN's brgemm on AMX tiles, where torch's cpublas packs bf16), `avx512_bf16` (vdpbf16ps register tiles:
+    an AVX512-BF16 build), `fp32` (the vector path on values widened to fp32, as float32 runs)."""
+    return list(torch.ops.dcpctl.prefill_bf16_products())
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -5,18 +5,17 @@ The one place these choices are made: `cpu_gemm` packs the linear layers by it, 
 
 Linear layers, per dtype and row count, in three buckets: 1-2 rows (batch-1/2 decode) take the engine's GEMV on
 the plain weight; more rows a pre-packed GEMM: the engine's panel GEMM (csrc/cpu_gemm.cpp), except bfloat16 on
-CPUs where oneDNN packs bf16 (AVX-512, AVX-NE-CONVERT), which take oneDNN's (with AVX512-BF16 dot products it does
-twice the panel GEMM's fp32 FMAs per cycle); and from PREFILL_MIN_ROWS rows on (prefill), float32 on AVX-512 takes
-oneDNN's too (`prefill_gemm_choices`), from a second packed copy of the weight. Measured at SmolLM2's shapes
+CPUs where oneDNN packs bf16 on AMX tiles or without AVX512-BF16 dot products, which take oneDNN's; and from
+PREFILL_MIN_ROWS rows on (prefill), float32 and bfloat16 on AVX-512 take oneDNN's (`prefill_gemm_choices`), from a
+second packed copy of the weight where batched decode runs the panel GEMM. Measured at SmolLM2's shapes
 (benchmarks/gemm_crossover.py, docs/results/cpu-kernels.md): the panel GEMM runs decode-sized fp32 batches faster
-than oneDNN,
-oneDNN is as fast or faster on every shape from 512 rows on with AVX-512 (12-30% on the down projection; a 16 x
-128-token SmolLM2 prefill 11% faster on two threads, worth the second copy), and never with AVX2.
-Without the engine's kernels: oneDNN, else F.linear.
+than oneDNN, and so does its bf16 dot-product kernel (vdpbf16ps) on an AVX512-BF16 CPU without AMX (Zen 4: 10-50%
+at 4-64 rows, the LM head 1.5x at 16 rows); oneDNN is as fast or faster on every shape from 512 rows on with
+AVX-512 (fp32: 12-30% on the down projection; a 16 x 128-token SmolLM2 prefill 11% faster on two threads, worth the
+second copy; bf16 on Zen 4: level to 10%), and never with AVX2. On AMX, oneDNN's bf16 runs on the tiles at every
+row count. Without the engine's kernels: oneDNN, else F.linear.
 
-`DCPCTL_BF16_GEMM=panels` (or `onednn`) puts that GEMM first for bfloat16 whatever the CPU: with AVX512-BF16 the
-engine's panel GEMM is its dot-product kernel (vdpbf16ps), not yet measured against oneDNN's
-(docs/results/cpu-kernels.md says how).
+`DCPCTL_BF16_GEMM=panels` (or `onednn`) puts that GEMM first for bfloat16 at every row count whatever the CPU.
 """
 
 from __future__ import annotations
@@ -55,20 +54,31 @@ def requested_bf16_gemm() -> str:
     return value
 
 
+def bf16_dot_leads(isa: CpuIsa) -> bool:
+    """Whether the panel GEMM's bf16 dot-product kernel runs decode-sized bf16 batches faster than oneDNN here: an
+    AVX512-BF16 build on a CPU without AMX (with AMX, oneDNN's bf16 runs on the tiles)."""
+    return isa.bf16_dot and not isa.amx_bf16
+
+
 def gemm_choices(isa: CpuIsa, dtype: str, kernels: bool, bf16_gemm: str = "auto") -> tuple[str, ...]:
     """The GEMMs for more than GEMV_MAX_ROWS rows, best first; a layer takes the first that packs its weight.
-    `bf16_gemm` (DCPCTL_BF16_GEMM) puts oneDNN or the panel GEMM first for bfloat16; `auto`: oneDNN where it packs."""
+    `bf16_gemm` (DCPCTL_BF16_GEMM) puts oneDNN or the panel GEMM first for bfloat16; `auto`: oneDNN where it packs,
+    except where the panel GEMM's dot-product kernel leads (`bf16_dot_leads`)."""
     if dtype not in KERNEL_DTYPE_NAMES:
         return ("torch",)
-    onednn_first = dtype == "bfloat16" and (isa.onednn_bf16 if bf16_gemm == "auto" else bf16_gemm == "onednn")
+    if bf16_gemm == "auto":
+        onednn_first = dtype == "bfloat16" and isa.onednn_bf16 and not bf16_dot_leads(isa)
+    else:
+        onednn_first = dtype == "bfloat16" and bf16_gemm == "onednn"
     choices = ("onednn", "panels") if onednn_first else ("panels", "onednn")
     return (*(c for c in choices if kernels or c != "panels"), "torch")
 
 
 def prefill_gemm_choices(isa: CpuIsa, dtype: str, kernels: bool, bf16_gemm: str = "auto") -> tuple[str, ...]:
     """The GEMMs for PREFILL_MIN_ROWS rows or more, best first (a layer takes the first that packs its weight):
-    oneDNN's for float32 with AVX-512, else what batched decode takes (the same packed weight)."""
-    if dtype == "float32" and isa.level == "avx512":
+    oneDNN's with AVX-512 (float32, and bfloat16 unless DCPCTL_BF16_GEMM asks otherwise), else what batched decode
+    takes (the same packed weight)."""
+    if isa.level == "avx512" and (dtype == "float32" or (dtype == "bfloat16" and bf16_gemm == "auto")):
         return ("onednn", *(c for c in gemm_choices(isa, dtype, kernels) if c != "onednn"))
     return gemm_choices(isa, dtype, kernels, bf16_gemm)
 

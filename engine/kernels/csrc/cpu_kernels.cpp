@@ -15,7 +15,8 @@
 //   prefill_causal  causal attention of each prompt's new tokens to themselves and, optionally, to the prompt's
 //                 cached context read from the paged cache in the same pass (GQA without repeated keys), exact
 //                 softmax in fp32, with the log-sum-exp: one op per layer instead of a flash call per prompt
-//                 (bf16 on an AMX CPU: the products on oneDNN's brgemm, `prefill_uses_amx`).
+//                 (bf16 with AVX512-BF16: the products on the stored bits, on oneDNN's brgemm where the CPU has
+//                 AMX, else as vdpbf16ps register tiles; `prefill_bf16_products`).
 //   silu_and_mul  silu(gate) * up of [gate | up] rows in one pass, with torch's `F.silu(gate) * up` bits.
 //   argmax_rows   torch.argmax over the last dim of fp32 rows (greedy sampling's logits), vectorized.
 //   bind_threads  pin each OpenMP thread of the calling thread's team to one core (the team torch's and oneDNN's
@@ -37,6 +38,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
+#include <c10/util/StringUtil.h>
 #include <torch/library.h>
 
 #include <omp.h>
@@ -48,6 +50,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -1395,14 +1398,17 @@ void prefill_causal_heads(const T* q, const PrefillKeys<T>& src, int64_t prompts
 }
 
 #if defined(__AVX512BF16__)
-// ---- prefill_causal in bfloat16 on AMX: the same items, the products on oneDNN's brgemm ----
+// ---- prefill_causal in bfloat16 on the stored bits: AMX tiles (brgemm) or AVX512-BF16 dot products ----
 //
-// Where torch's cpublas can pack bfloat16 for its brgemm (a CPU with AMX), the two products of each key block are
-// brgemm calls on the stored bits (fp32 sums): scores = Q.K^T of the item's rows, then acc += P.V with the
-// probabilities rounded to bfloat16, as torch's flash attention rounds them, with an AVX-512 online softmax per row
-// between them (amx_softmax_row, fp32). Keys and values are packed once per layer into the VNNI
-// layout brgemm reads (pairs of consecutive K-dimension elements side by side): keys as K^T [dk/2][64 keys][2],
-// values as [32 key pairs][dv][2], zeros past a prompt's last key and past an odd dk.
+// With an AVX512-BF16 build, the two products of each key block run on the stored bf16 bits with fp32 sums: scores =
+// Q.K^T of the item's rows, then acc += P.V with the probabilities rounded to bfloat16, as torch's flash attention
+// rounds them, with an AVX-512 online softmax per row between them (amx_softmax_row, fp32). Where torch's cpublas can
+// pack bfloat16 for its brgemm (a CPU with AMX) the products are brgemm calls (BrgemmProducts); elsewhere (Zen 4,
+// Cooper Lake) register tiles of vdpbf16ps, 2 multiply-adds per fp32 lane and instruction (DotProducts), twice the
+// vector path's FMAs on widened values. Keys and values are packed once per layer into the VNNI layout both read
+// (pairs of consecutive K-dimension elements side by side): keys as K^T [dk/2][64 keys][2], values as
+// [32 key pairs][stride][2] (stride: dv for brgemm, dv_pad for the dot tiles), zeros past a prompt's last key, an odd
+// dk and dv.
 constexpr int64_t kAmxItemRows = 192, kAmxMaxTokens = 64;  // rows per item: 64 tokens x a group of 3 (12 row tiles)
 
 // One row's online-softmax step over a key block of 64 scores, 16 lanes at a time: the first `visible` scores, scaled,
@@ -1460,38 +1466,140 @@ inline void amx_pack_keys(const PrefillKeys<c10::BFloat16>& src, int64_t prompt,
   for (int64_t w = 0; w < pairs; ++w) std::fill(out + w * kPrefillKeys + n, out + (w + 1) * kPrefillKeys, 0u);
 }
 
-// The same keys' values as [32 key pairs][dv][2] (zeros past n).
+// The same keys' values as [32 key pairs][stride][2] (zeros past n and past dv).
 inline void amx_pack_values(const PrefillKeys<c10::BFloat16>& src, int64_t prompt, int64_t head, int64_t first,
-                            int64_t n, int64_t dv, uint16_t* __restrict__ out) {
+                            int64_t n, int64_t dv, int64_t stride, uint16_t* __restrict__ out) {
   for (int64_t j = 0; j < kPrefillKeys; ++j) {
-    uint16_t* o = out + (j / 2) * dv * 2 + j % 2;
-    if (j < n) {
-      const uint16_t* row = reinterpret_cast<const uint16_t*>(src.value(prompt, first + j, head));
-      for (int64_t c = 0; c < dv; ++c) o[2 * c] = row[c];
-    } else {
-      for (int64_t c = 0; c < dv; ++c) o[2 * c] = 0;
+    uint16_t* o = out + (j / 2) * stride * 2 + j % 2;
+    const uint16_t* row = j < n ? reinterpret_cast<const uint16_t*>(src.value(prompt, first + j, head)) : nullptr;
+    for (int64_t c = 0; c < dv; ++c) o[2 * c] = row ? row[c] : 0;
+    for (int64_t c = dv; c < stride; ++c) o[2 * c] = 0;
+  }
+}
+
+// The products of a key block on oneDNN's brgemm (AMX tiles), a call per product over all of an item's rows.
+struct BrgemmProducts {
+  static constexpr int64_t kRowTile = 1;
+  static int64_t value_stride(const PrefillShape& a) { return a.dv; }
+
+  // scores [rows][64] = qb [rows][dk2] . keys [dk2/2][64][2]
+  template <typename Visible>
+  static void scores(int64_t rows, const uint16_t* qb, int64_t dk2, const uint32_t* keys, float* scores, Visible) {
+    at::native::cpublas::brgemm(rows, kPrefillKeys, dk2, dk2, kPrefillKeys, kPrefillKeys, false,
+                                reinterpret_cast<const c10::BFloat16*>(qb), reinterpret_cast<const c10::BFloat16*>(keys),
+                                scores);
+  }
+
+  // acc [rows][dv_pad] += pb [rows][64] . values [32][dv][2]
+  template <typename Visible>
+  static void values(int64_t rows, const uint16_t* pb, const uint16_t* values, const PrefillShape& a, float* acc,
+                     Visible) {
+    at::native::cpublas::brgemm(rows, a.dv, kPrefillKeys, kPrefillKeys, a.dv, a.dv_pad, true,
+                                reinterpret_cast<const c10::BFloat16*>(pb),
+                                reinterpret_cast<const c10::BFloat16*>(values), acc);
+  }
+
+  static void release() { at::native::cpublas::brgemm_release(); }
+};
+
+// c[r][16v + l] (+)= sum over w < pairs of the bf16 pairs a[r][w] . b[w][16v + l] (each 32 bits: two bf16), for R rows
+// and V vectors of 16 columns: R x V accumulators in registers (6 x 4 = 24 of AVX-512's 32), one vdpbf16ps per pair.
+template <int R, int V, bool kAccumulate>
+inline void dot_tile(const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb, int64_t pairs, float* c,
+                     int64_t ldc) {
+  __m512 acc[R][V];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) acc[r][v] = kAccumulate ? _mm512_loadu_ps(c + r * ldc + 16 * v) : _mm512_setzero_ps();
+  for (int64_t w = 0; w < pairs; ++w) {
+    __m512bh bv[V];
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(b + w * ldb + 16 * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[r * lda + w]));
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, bv[v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(c + r * ldc + 16 * v, acc[r][v]);
+}
+
+// dot_tile over `vectors` vectors of 16 columns, 4 at a time.
+template <int R, bool kAccumulate>
+inline void dot_tiles(const uint32_t* a, int64_t lda, const uint32_t* b, int64_t ldb, int64_t pairs, int64_t vectors,
+                      float* c, int64_t ldc) {
+  for (int64_t v0 = 0; v0 < vectors; v0 += 4) {
+    const uint32_t* bs = b + 16 * v0;
+    float* cs = c + 16 * v0;
+    switch (std::min<int64_t>(4, vectors - v0)) {
+      case 4: dot_tile<R, 4, kAccumulate>(a, lda, bs, ldb, pairs, cs, ldc); break;
+      case 3: dot_tile<R, 3, kAccumulate>(a, lda, bs, ldb, pairs, cs, ldc); break;
+      case 2: dot_tile<R, 2, kAccumulate>(a, lda, bs, ldb, pairs, cs, ldc); break;
+      default: dot_tile<R, 1, kAccumulate>(a, lda, bs, ldb, pairs, cs, ldc); break;
     }
   }
 }
 
-void prefill_causal_amx(const c10::BFloat16* q, const PrefillKeys<c10::BFloat16>& src, int64_t prompts,
-                        std::array<int64_t, 2> q_strides, c10::BFloat16* out, float* lse, const PrefillShape& a) {
-  using at::native::cpublas::brgemm;
-  constexpr int64_t KB = kPrefillKeys;
+// The products of a key block as vdpbf16ps register tiles of 6 rows, each tile only over the keys its last row sees
+// (`visible(m)`: the keys row m sees in the block, at most 64): whole vectors of 16 keys for the scores, whole key
+// pairs for P.V (the probabilities past a row's last visible key are 0).
+struct DotProducts {
+  static constexpr int64_t kRowTile = 6;
+  static int64_t value_stride(const PrefillShape& a) { return a.dv_pad; }
+
+  template <typename Visible>
+  static void scores(int64_t rows, const uint16_t* qb, int64_t dk2, const uint32_t* keys, float* scores,
+                     Visible visible) {
+    const uint32_t* q = reinterpret_cast<const uint32_t*>(qb);
+    for (int64_t i0 = 0; i0 < rows; i0 += kRowTile) {
+      const int64_t vectors = (visible(i0 + kRowTile - 1) + 15) / 16;
+      if (vectors > 0)
+        dot_tiles<kRowTile, false>(q + i0 * dk2 / 2, dk2 / 2, keys, kPrefillKeys, dk2 / 2, vectors,
+                                   scores + i0 * kPrefillKeys, kPrefillKeys);
+    }
+  }
+
+  template <typename Visible>
+  static void values(int64_t rows, const uint16_t* pb, const uint16_t* values, const PrefillShape& a, float* acc,
+                     Visible visible) {
+    const uint32_t *p = reinterpret_cast<const uint32_t*>(pb), *v = reinterpret_cast<const uint32_t*>(values);
+    for (int64_t i0 = 0; i0 < rows; i0 += kRowTile) {
+      const int64_t pairs = (visible(i0 + kRowTile - 1) + 1) / 2;
+      if (pairs > 0)
+        dot_tiles<kRowTile, true>(p + i0 * kPrefillKeys / 2, kPrefillKeys / 2, v, a.dv_pad, pairs, a.dv_pad / 16,
+                                  acc + i0 * a.dv_pad, a.dv_pad);
+    }
+  }
+
+  static void release() {}
+};
+
+// Causal attention of each prompt's new tokens to its context and to themselves, as prefill_causal_heads, in bfloat16
+// on the stored bits: items of up to 64 query tokens x the group's heads; the products are `Products`'.
+template <typename Products>
+void prefill_causal_bf16(const c10::BFloat16* q, const PrefillKeys<c10::BFloat16>& src, int64_t prompts,
+                         std::array<int64_t, 2> q_strides, c10::BFloat16* out, float* lse, const PrefillShape& a) {
+  constexpr int64_t KB = kPrefillKeys, R = Products::kRowTile;
   const int64_t group = a.heads / a.kv_heads, dk2 = (a.dk + 1) / 2 * 2, dv = a.dv, dv_pad = a.dv_pad;
+  const int64_t stride = Products::value_stride(a);
   const int64_t QT = std::clamp<int64_t>(kAmxItemRows / group, 1, kAmxMaxTokens);
   const int64_t* cu = src.cu;
   const PrefillItems plan(cu, src.context, prompts, a, QT);
   const std::unique_ptr<uint32_t[]> keys(new uint32_t[a.kv_heads * plan.total_blocks * dk2 / 2 * KB]);
-  const std::unique_ptr<uint16_t[]> values(new uint16_t[a.kv_heads * plan.total_blocks * KB * dv]);
-  plan.for_each_key_block(KB * (dk2 + dv), [&](int64_t item, int64_t p, int64_t head, int64_t first, int64_t n) {
+  const std::unique_ptr<uint16_t[]> values(new uint16_t[a.kv_heads * plan.total_blocks * KB * stride]);
+  plan.for_each_key_block(KB * (dk2 + stride), [&](int64_t item, int64_t p, int64_t head, int64_t first, int64_t n) {
     amx_pack_keys(src, p, head, first, n, a.dk, keys.get() + item * dk2 / 2 * KB);
-    amx_pack_values(src, p, head, first, n, dv, values.get() + item * KB * dv);
+    amx_pack_values(src, p, head, first, n, dv, stride, values.get() + item * KB * stride);
   });
 
   at::parallel_for(0, plan.parts, 1, [&](int64_t part_begin, int64_t part_end) {
-    const int64_t max_rows = QT * group;
-    std::vector<uint16_t> qb(max_rows * dk2, 0), pb(max_rows * KB);
+    const int64_t max_rows = (QT * group + R - 1) / R * R;  // the row tiles' padding rows are computed, never stored
+    std::vector<uint16_t> qb(max_rows * dk2, 0), pb(max_rows * KB, 0);
     std::vector<float> scores(max_rows * KB), acc(max_rows * dv_pad), top(max_rows), sums(max_rows * 16);
     const float neg_inf = -std::numeric_limits<float>::infinity();
     for (int64_t it = plan.part_start(part_begin); it < plan.part_start(part_end); ++it) {
@@ -1509,13 +1617,15 @@ void prefill_causal_amx(const c10::BFloat16* q, const PrefillKeys<c10::BFloat16>
       for (int64_t k0 = 0; k0 < keys_end; k0 += KB) {  // keys [0, keys_end) of the prompt: cached, then new
         const int64_t n_keys = std::min(KB, keys_end - k0);
         const int64_t block = plan.block(item, k0);
-        brgemm(rows, KB, dk2, dk2, KB, KB, false, reinterpret_cast<const c10::BFloat16*>(qb.data()),
-               reinterpret_cast<const c10::BFloat16*>(keys.get() + block * dk2 / 2 * KB), scores.data());
+        // the keys row m sees in this block: through its own token (padding rows: as the last real row)
+        auto visible = [&](int64_t m) {
+          return std::clamp<int64_t>(cached + item.first + std::min(m, rows - 1) / group + 1 - k0, 0, n_keys);
+        };
+        Products::scores(rows, qb.data(), dk2, keys.get() + block * dk2 / 2 * KB, scores.data(), visible);
         for (int64_t m = 0; m < rows; ++m)
-          amx_softmax_row(scores.data() + m * KB, std::min(cached + item.first + m / group + 1 - k0, n_keys), a.scale,
-                          top[m], sums.data() + m * 16, acc.data() + m * dv_pad, dv_pad, pb.data() + m * KB);
-        brgemm(rows, dv, KB, KB, dv, dv_pad, true, reinterpret_cast<const c10::BFloat16*>(pb.data()),
-               reinterpret_cast<const c10::BFloat16*>(values.get() + block * KB * dv), acc.data());
+          amx_softmax_row(scores.data() + m * KB, visible(m), a.scale, top[m], sums.data() + m * 16,
+                          acc.data() + m * dv_pad, dv_pad, pb.data() + m * KB);
+        Products::values(rows, pb.data(), values.get() + block * KB * stride, a, acc.data(), visible);
       }
       for (int64_t m = 0; m < rows; ++m) {
         const int64_t token = start + item.first + m / group, head = head0 + m % group;
@@ -1525,36 +1635,40 @@ void prefill_causal_amx(const c10::BFloat16* q, const PrefillKeys<c10::BFloat16>
         lse[token * a.heads + head] = top[m] + std::log(sum);
       }
     }
-    at::native::cpublas::brgemm_release();
+    Products::release();
   });
 }
 
-// Whether prefill_causal runs bfloat16 on brgemm here: torch's cpublas packs bfloat16 only where the CPU has AMX.
+// Whether torch's cpublas can run bfloat16 brgemm here: it packs bfloat16 only where the CPU has AMX.
 bool prefill_amx_available() {
   static const bool available = at::native::cpublas::could_pack(at::kBFloat16);
   return available;
 }
 #endif
 
-// Whether prefill_causal's bfloat16 runs on brgemm (AMX) in this build on this CPU.
-bool prefill_uses_amx() {
+// How prefill_causal can run bfloat16 products in this build on this CPU, best first: "amx" (oneDNN's brgemm on AMX
+// tiles), "avx512_bf16" (vdpbf16ps register tiles), "fp32" (the vector path, on values widened to fp32).
+std::vector<std::string> prefill_bf16_products() {
 #if defined(__AVX512BF16__)
-  return prefill_amx_available();
+  if (prefill_amx_available()) return {"amx", "avx512_bf16", "fp32"};
+  return {"avx512_bf16", "fp32"};
 #else
-  return false;
+  return {"fp32"};
 #endif
 }
 
 // q [T, H, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv] (one dtype, any strides but the last), cu_seqlens [P + 1] int64:
 // causal attention of each prompt's tokens to themselves and, with `context_lens` [P] int64, to the first
 // context_lens[p] tokens of prompt p in the paged cache (cache views [blocks, B, Hkv, D] of q's dtype, block_tables
-// [P, W] int64), which precede its new tokens. Returns out [T, H, Dv] (q's dtype) and lse [T, H] fp32.
+// [P, W] int64), which precede its new tokens. `products`: how bfloat16 products run, one of prefill_bf16_products()
+// ("auto": the first; float32 takes "auto" or "fp32"). Returns out [T, H, Dv] (q's dtype) and lse [T, H] fp32.
 std::tuple<at::Tensor, at::Tensor> prefill_causal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                   const at::Tensor& cu_seqlens, double scale,
                                                   const std::optional<at::Tensor>& context_lens,
                                                   const std::optional<at::Tensor>& key_cache,
                                                   const std::optional<at::Tensor>& value_cache,
-                                                  const std::optional<at::Tensor>& block_tables) {
+                                                  const std::optional<at::Tensor>& block_tables,
+                                                  c10::string_view products) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
               "prefill_causal: q/k/v [tokens, heads, dim] with a contiguous last dim expected");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
@@ -1612,10 +1726,17 @@ std::tuple<at::Tensor, at::Tensor> prefill_causal(const at::Tensor& q, const at:
     }
     return src;
   };
+  const std::vector<std::string> runs_here =
+      q.scalar_type() == at::kBFloat16 ? prefill_bf16_products() : std::vector<std::string>{"fp32"};
+  const std::string chosen = products == "auto" ? runs_here.front() : std::string(products);
+  TORCH_CHECK(std::find(runs_here.begin(), runs_here.end(), chosen) != runs_here.end(), "prefill_causal: products '",
+              chosen, "' do not run for ", q.scalar_type(), " in this build on this CPU (", c10::Join(", ", runs_here),
+              ")");
 #if defined(__AVX512BF16__)
-  if (q.scalar_type() == at::kBFloat16 && prefill_amx_available()) {
-    prefill_causal_amx(q.data_ptr<c10::BFloat16>(), keys_of(c10::BFloat16{}), prompts, {q.stride(0), q.stride(1)},
-                       out.data_ptr<c10::BFloat16>(), lse.data_ptr<float>(), shape);
+  if (chosen == "amx" || chosen == "avx512_bf16") {
+    const auto run = chosen == "amx" ? prefill_causal_bf16<BrgemmProducts> : prefill_causal_bf16<DotProducts>;
+    run(q.data_ptr<c10::BFloat16>(), keys_of(c10::BFloat16{}), prompts, {q.stride(0), q.stride(1)},
+        out.data_ptr<c10::BFloat16>(), lse.data_ptr<float>(), shape);
     return {out, lse};
   }
 #endif
@@ -1663,10 +1784,11 @@ TORCH_LIBRARY(dcpctl, m) {
       "int value_dim) -> (Tensor, Tensor)");
   m.def(
       "prefill_causal(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, float scale, Tensor? context_lens=None, "
-      "Tensor? key_cache=None, Tensor? value_cache=None, Tensor? block_tables=None) -> (Tensor, Tensor)");
+      "Tensor? key_cache=None, Tensor? value_cache=None, Tensor? block_tables=None, str products=\"auto\") -> "
+      "(Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
-  m.def("prefill_uses_amx() -> bool", &prefill_uses_amx);  // no tensors to dispatch on
+  m.def("prefill_bf16_products() -> str[]", &prefill_bf16_products);  // no tensors to dispatch on
   m.def("bind_threads(int[] cores) -> int[]", &bind_threads);  // no tensors to dispatch on: one kernel for all
 }
 
