@@ -23,6 +23,7 @@ from engine.kernels import cpu_gemm, cpu_isa, cpu_kernels
 from engine.kernels.cpu_paths import (
     BF16_GEMM_ENV,
     PREFILL_MIN_ROWS,
+    PREFILL_PRODUCT_NAMES,
     CpuPaths,
     bf16_dot_leads,
     gemm_choices,
@@ -178,7 +179,7 @@ def test_gemm_choices_per_level_and_dtype():
     line = CpuPaths(avx2, "bfloat16", True, "cpu").describe()
     assert line == (
         "CPU ISA avx2; C++ kernels: x86-64-v3 build; bfloat16 linear layers: GEMV for 1-2 rows, engine panel GEMM "
-        "for more; decode attention: engine paged decode kernel"
+        "for more; decode attention: engine paged decode kernel; prefill attention: vector path in fp32"
     )
 
 
@@ -210,6 +211,26 @@ def test_the_bf16_gemm_switch_puts_its_choice_first(monkeypatch):
         requested_bf16_gemm()
 
 
+def test_plan_checks_name_the_bf16_prefill_attention_path():
+    """bf16 on the cpu backend's kernel: AMX tiles with AMX, AVX512-BF16 dot products on Zen 4, the fp32 vector path
+    without AVX512-BF16 (AVX2, or AVX-512 without it); nothing for fp32 (always the vector path), other backends, or
+    without the kernels."""
+    zen4 = cpu_isa.CpuIsa("avx512", "avx512", ZEN4)
+    amx = cpu_isa.CpuIsa("avx512", "avx512", ZEN4 | {"amx_bf16", "amx_tile"})
+    no_bf16 = cpu_isa.CpuIsa("avx512", "avx512", ZEN4 - {"avx512_bf16"})
+    forced = cpu_isa.CpuIsa("avx2", "avx512", cpu_isa._visible_flags(ZEN4 | {"amx_bf16"}, "avx2"))
+    for isa, name in (
+        (amx, "AMX tiles (oneDNN brgemm)"),
+        (zen4, "AVX512-BF16 dot products"),
+        (no_bf16, "vector path in fp32"),
+        (forced, "vector path in fp32"),
+    ):
+        assert CpuPaths(isa, "bfloat16", True, "cpu").describe().endswith(f"; prefill attention: {name}")
+    for paths in (CpuPaths(zen4, "float32", True, "cpu"), CpuPaths(zen4, "bfloat16", True, "torch")):
+        assert "prefill attention" not in paths.describe()
+    assert "prefill attention" not in CpuPaths(zen4, "bfloat16", False, "cpu").describe()
+
+
 def test_the_start_up_line_names_the_bf16_dot_product_kernel(monkeypatch):
     """What a rank prints: bf16 layers on the panel GEMM of an AVX512-BF16 build are named as its dot-product kernel;
     where the compiler could not make that build and the plain AVX-512 one loaded instead, they are not."""
@@ -219,6 +240,8 @@ def test_the_start_up_line_names_the_bf16_dot_product_kernel(monkeypatch):
     backend = types.SimpleNamespace(kernels=True, name="cpu")
     bf16 = cpu_gemm.cpu_paths_line(torch.bfloat16, {("panels", "panels"): 211}, backend, torch.bfloat16)
     assert "bfloat16 linear layers: " in bf16 and "engine panel GEMM (AVX512-BF16 dot products) (211 layers)" in bf16
+    if cpu_kernels.cpu_kernels_available():  # the loaded build's bf16 prefill products, not the ISA's guess
+        assert bf16.endswith(f"; prefill attention: {PREFILL_PRODUCT_NAMES[cpu_kernels.prefill_bf16_products()[0]]}")
     monkeypatch.setattr(cpu_gemm, "kernel_isa", lambda: zen4.kernel_builds()[1])
     fallback = cpu_gemm.cpu_paths_line(torch.bfloat16, {("panels", "panels"): 211}, backend, torch.bfloat16)
     assert "bfloat16 linear layers: GEMV for 1-2 rows, engine panel GEMM (211 layers)" in fallback

@@ -31,12 +31,14 @@ from engine.kernels.cpu_kernels import (
     loaded_build,
     pack_panels,
     panel_linear,
+    prefill_bf16_products,
 )
 from engine.kernels.cpu_paths import (
     GEMM_NAMES,
     GEMV_MAX_ROWS,
     KERNEL_DTYPE_NAMES,
     PREFILL_MIN_ROWS,
+    bf16_prefill_attention,
     decode_path,
     describe_paths,
     gemm_choices,
@@ -176,5 +178,8 @@ def cpu_paths_line(dtype: torch.dtype, gemms: dict[tuple[str, str], int], backen
     cache = kv_quant.dtype_name(cache_dtype)
     decode = decode_path(getattr(backend, "kernels", False), backend.name, {name, cache})
     build = loaded_build() or "unavailable, torch's kernels"
-    gemv = cpu_kernels_available() and name in KERNEL_DTYPE_NAMES
-    return describe_paths(detect(), build, name, taken, gemv, decode, _layer_counts(prefill, name) or None)
+    kernels = cpu_kernels_available()
+    gemv = kernels and name in KERNEL_DTYPE_NAMES
+    products = prefill_bf16_products()[0] if kernels else "fp32"
+    attention = bf16_prefill_attention(getattr(backend, "kernels", False), backend.name, name, products)
+    return describe_paths(detect(), build, name, taken, gemv, decode, _layer_counts(prefill, name) or None, attention)

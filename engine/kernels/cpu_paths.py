@@ -32,6 +32,12 @@ GEMM_NAMES = {"onednn": "oneDNN packed", "panels": "engine panel GEMM", "torch":
 KERNEL_DTYPE_NAMES = ("float32", "bfloat16")  # what the engine's C++ kernels take
 KERNEL_CACHE_DTYPE_NAMES = (*KERNEL_DTYPE_NAMES, "fp8_e4m3", "fp8_e5m2")  # the KV caches their attention reads
 BF16_GEMM_ENV = "DCPCTL_BF16_GEMM"
+# bf16 prefill attention's products, by `cpu_kernels.prefill_bf16_products()` name
+PREFILL_PRODUCT_NAMES = {
+    "amx": "AMX tiles (oneDNN brgemm)",
+    "avx512_bf16": "AVX512-BF16 dot products",
+    "fp32": "vector path in fp32",
+}
 BF16_GEMMS = ("auto", "onednn", "panels")
 
 
@@ -101,17 +107,40 @@ def decode_path(kernels: bool, backend: str, dtypes: set[str]) -> str:
     return "torch backend's paths (the kernels take float32 / bfloat16)"
 
 
+def bf16_prefill_products(isa: CpuIsa) -> str:
+    """How the kernel build of this level runs bf16 prefill attention's products, as the loaded build's
+    `cpu_kernels.prefill_bf16_products()[0]` will say: `amx` (AMX tiles), `avx512_bf16` (dot products), else `fp32`."""
+    if not isa.bf16_dot:
+        return "fp32"
+    return "amx" if isa.amx_bf16 else "avx512_bf16"
+
+
+def bf16_prefill_attention(kernels: bool, backend: str, dtype: str, products: str) -> str | None:
+    """What plan show and the start-up line add for bf16 prefill attention on the `cpu` backend's kernel (None for
+    other dtypes and backends: fp32 always runs the kernel's vector path)."""
+    if not (kernels and backend == "cpu" and dtype == "bfloat16"):
+        return None
+    return PREFILL_PRODUCT_NAMES[products]
+
+
 def describe_paths(
-    isa: CpuIsa, kernels: str, dtype: str, gemms: str, gemv: bool, decode: str, prefill: str | None = None
+    isa: CpuIsa,
+    kernels: str,
+    dtype: str,
+    gemms: str,
+    gemv: bool,
+    decode: str,
+    prefill: str | None = None,
+    prefill_attention: str | None = None,
 ) -> str:
     """The one-line form plan show / validate and the engine's start-up line print (`prefill`: what layers take
-    from PREFILL_MIN_ROWS rows on, where that differs from `gemms`)."""
+    from PREFILL_MIN_ROWS rows on, where that differs from `gemms`; `prefill_attention`: bf16's products)."""
     rows = f"GEMV for 1-{GEMV_MAX_ROWS} rows, {gemms} for more" if gemv else gemms
     if prefill:
         rows += f", {prefill} from {PREFILL_MIN_ROWS} rows"
-    return (
-        f"CPU ISA {isa.describe()}; C++ kernels: {kernels}; {dtype} linear layers: {rows}; decode attention: {decode}"
-    )
+    line = f"CPU ISA {isa.describe()}; C++ kernels: {kernels}; {dtype} linear layers: {rows}"
+    line += f"; decode attention: {decode}"
+    return line + (f"; prefill attention: {prefill_attention}" if prefill_attention else "")
 
 
 @dataclass(frozen=True)
@@ -140,4 +169,6 @@ class CpuPaths:
         decode = decode_path(self.kernels, self.backend, {self.dtype, self.cache_dtype or self.dtype})
         prefill = gemm_name(self.prefill_gemm, self.isa, self.dtype) if self.prefill_gemm != self.gemm else None
         gemm = gemm_name(self.gemm, self.isa, self.dtype)
-        return describe_paths(self.isa, build, self.dtype, gemm, gemv, decode, prefill)
+        products = bf16_prefill_products(self.isa)
+        attention = bf16_prefill_attention(self.kernels, self.backend, self.dtype, products)
+        return describe_paths(self.isa, build, self.dtype, gemm, gemv, decode, prefill, attention)
