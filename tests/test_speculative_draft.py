@@ -93,11 +93,13 @@ def test_rollback_keeps_both_caches_those_of_the_accepted_tokens(tmp_path, tiny_
                 blocks.num_free_blocks,
             )
             assert blocks.cached == pb.cached
+            # verify steps project k + 1 rows where plain decode projects one: other GEMM paths, other summation
+            # orders (fp32 KV 1.5e-5 apart on a Zen 4 for MLA; a wrong rollback is O(1) off), as for the draft's KV
             torch.testing.assert_close(
                 kv_of_positions(spec.engine.runner, s.block_table, s.num_computed_tokens),
                 kv_of_positions(plain.engine.runner, p.block_table, p.num_computed_tokens),
-                rtol=1e-5,
-                atol=1e-5,
+                rtol=1e-4,
+                atol=1e-4,
             )
             held, table = min(s.draft_cached, s.num_computed_tokens), list(s.block_table)
             assert held >= s.num_computed_tokens - 1  # the draft lags by at most the last accepted proposal
