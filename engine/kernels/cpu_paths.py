@@ -32,13 +32,13 @@ GEMM_NAMES = {"onednn": "oneDNN packed", "panels": "engine panel GEMM", "torch":
 KERNEL_DTYPE_NAMES = ("float32", "bfloat16")  # what the engine's C++ kernels take
 KERNEL_CACHE_DTYPE_NAMES = (*KERNEL_DTYPE_NAMES, "fp8_e4m3", "fp8_e5m2")  # the KV caches their attention reads
 BF16_GEMM_ENV = "DCPCTL_BF16_GEMM"
+BF16_GEMMS = ("auto", "onednn", "panels")
 # bf16 prefill attention's products, by `cpu_kernels.prefill_bf16_products()` name
 PREFILL_PRODUCT_NAMES = {
     "amx": "AMX tiles (oneDNN brgemm)",
     "avx512_bf16": "AVX512-BF16 dot products",
     "fp32": "vector path in fp32",
 }
-BF16_GEMMS = ("auto", "onednn", "panels")
 
 
 KERNELS_ENV = "DCPCTL_CPU_KERNELS"

@@ -1278,7 +1278,6 @@ struct PrefillItems {
   const int64_t* context;
   const PrefillShape& a;
   std::vector<int64_t> first_block;  // each prompt's first key block, the total last
-  int64_t total_blocks = 0;          // key blocks over all prompts
   std::vector<PrefillItem> items;
   std::vector<int64_t> work_before{0};  // running sum of rows x keys
   int64_t parts = 1;
@@ -1297,12 +1296,13 @@ struct PrefillItems {
           work_before.push_back(work_before.back() + (last - first) * group * (cached + last));
         }
     }
-    total_blocks = first_block[prompts];
     const int64_t most = std::min<int64_t>(at::get_num_threads(), items.size());
     parts = std::clamp<int64_t>(work_before.back() * (a.dk + a.dv_pad) / kSerialElements, 1, std::max<int64_t>(most, 1));
   }
 
   int64_t cached_keys(int64_t prompt) const { return context ? context[prompt] : 0; }
+
+  int64_t total_blocks() const { return first_block.back(); }  // key blocks over all prompts
 
   int64_t part_start(int64_t part) const {  // the first item whose work starts at or after the part's share
     const int64_t share = work_before.back() * part / parts;
@@ -1310,15 +1310,15 @@ struct PrefillItems {
   }
 
   int64_t block(const PrefillItem& item, int64_t key) const {  // the packed block holding the item's key `key`
-    return item.head * total_blocks + first_block[item.prompt] + key / kPrefillKeys;
+    return item.head * total_blocks() + first_block[item.prompt] + key / kPrefillKeys;
   }
 
   // Calls pack(block, prompt, kv head, first key, keys) for every packed key block, over the threads.
   template <typename Pack>
   void for_each_key_block(int64_t block_elements, Pack pack) const {
-    at::parallel_for(0, a.kv_heads * total_blocks, grain_for(block_elements), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, a.kv_heads * total_blocks(), grain_for(block_elements), [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t head = item / total_blocks, block = item % total_blocks;
+        const int64_t head = item / total_blocks(), block = item % total_blocks();
         const int64_t p = std::upper_bound(first_block.begin(), first_block.end(), block) - first_block.begin() - 1;
         const int64_t first = (block - first_block[p]) * kPrefillKeys;
         pack(item, p, head, first, std::min(kPrefillKeys, cached_keys(p) + cu[p + 1] - cu[p] - first));
@@ -1343,8 +1343,8 @@ void prefill_causal_heads(const T* q, const PrefillKeys<T>& src, int64_t prompts
   const int64_t* cu = src.cu;
   const PrefillItems plan(cu, src.context, prompts, a, QT);
   // every element the items read is written by the packing: no zero-filled allocation (megabytes per layer)
-  const std::unique_ptr<float[]> panels(new float[a.kv_heads * plan.total_blocks * dk * KB]);
-  const std::unique_ptr<float[]> values(new float[a.kv_heads * plan.total_blocks * KB * dv_pad]);
+  const std::unique_ptr<float[]> panels(new float[a.kv_heads * plan.total_blocks() * dk * KB]);
+  const std::unique_ptr<float[]> values(new float[a.kv_heads * plan.total_blocks() * KB * dv_pad]);
   plan.for_each_key_block(KB * (dk + dv_pad), [&](int64_t item, int64_t p, int64_t head, int64_t first, int64_t n) {
     prefill_pack_block(src, p, head, first, n, a, panels.get() + item * dk * KB, values.get() + item * KB * dv_pad);
   });
@@ -1590,8 +1590,8 @@ void prefill_causal_bf16(const c10::BFloat16* q, const PrefillKeys<c10::BFloat16
   const int64_t QT = std::clamp<int64_t>(kAmxItemRows / group, 1, kAmxMaxTokens);
   const int64_t* cu = src.cu;
   const PrefillItems plan(cu, src.context, prompts, a, QT);
-  const std::unique_ptr<uint32_t[]> keys(new uint32_t[a.kv_heads * plan.total_blocks * dk2 / 2 * KB]);
-  const std::unique_ptr<uint16_t[]> values(new uint16_t[a.kv_heads * plan.total_blocks * KB * stride]);
+  const std::unique_ptr<uint32_t[]> keys(new uint32_t[a.kv_heads * plan.total_blocks() * dk2 / 2 * KB]);
+  const std::unique_ptr<uint16_t[]> values(new uint16_t[a.kv_heads * plan.total_blocks() * KB * stride]);
   plan.for_each_key_block(KB * (dk2 + stride), [&](int64_t item, int64_t p, int64_t head, int64_t first, int64_t n) {
     amx_pack_keys(src, p, head, first, n, a.dk, keys.get() + item * dk2 / 2 * KB);
     amx_pack_values(src, p, head, first, n, dv, stride, values.get() + item * KB * stride);
