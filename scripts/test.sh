@@ -4,7 +4,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 set +e
-.venv/bin/python -m pytest "$@"
+# Two workers (pytest-xdist), each taking whole modules (a module's shared servers start once): many tests are
+# process starts and imports, one core busy at a time, so two at once take ~0.8x the time on 2 cores
+# (docs/guides/testing.md). DCPCTL_TEST_WORKERS=0 runs them in this process, one after another (as `-n 0` does).
+.venv/bin/python -m pytest -n "${DCPCTL_TEST_WORKERS:-2}" --dist loadscope "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected no test: that is a failure of the suite, not a pass.
