@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.registry import create_backend
+from engine.checkpoints.config_values import read_config
 from engine.core.config import EngineConfig
 from engine.core.sampler import distribution, greedy
 from engine.core.sequence import Sequence
@@ -38,15 +39,13 @@ class Drafter:
     """The draft model's runner on rank 0 and the proposals of the current step (with their distributions)."""
 
     def __init__(self, config: EngineConfig, par: ParallelContext, num_blocks: int, span: int):
-        from transformers import AutoConfig
-
         draft = config.speculative.draft
         info = draft.info
         layout = ParallelLayout.build(1, 1, info.num_heads, info.num_kv_heads, info.is_mla)
         self.par = single_context(DensePlacement.build(layout, info), par.device)
         with using_parallel(self.par):
             self.runner = ModelRunner(
-                AutoConfig.from_pretrained(draft.path),
+                read_config(draft.path),
                 draft.path,
                 self.par,
                 TORCH_DTYPES[config.dtype],

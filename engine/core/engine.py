@@ -89,14 +89,12 @@ class LLMEngine:
         runner: ModelRunner,
         prefill_ranks: list[RankEndpoint] | None = None,
     ):
-        from transformers import AutoConfig
-
         self.config = config
         self.par = par
         self.runner = runner
         self.tokenizer = load_tokenizer(config.model_path)
         self.detokenizer = Detokenizer(self.tokenizer)
-        self.eos_ids = _eos_ids(config.model_path, AutoConfig.from_pretrained(config.model_path), self.tokenizer)
+        self.eos_ids = _eos_ids(config.model_path, runner.hf_config, self.tokenizer)
         cache = runner.cache_layout
         self.blocks = BlockManager(cache.num_blocks, cache.block_size, par.dcp_size, config.prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.blocks, config.kv_role, config.speculative)

@@ -17,6 +17,7 @@ import torch
 
 from engine import devices
 from engine.attention.registry import create_backend
+from engine.checkpoints.config_values import ConfigValues, read_config
 from engine.checkpoints.model_info import dtype_bytes
 from engine.checkpoints.weights import checkpoint_files
 from engine.core.config import EngineConfig
@@ -70,9 +71,8 @@ def start_rank(
 ) -> tuple[EngineConfig, ParallelContext, ModelRunner]:
     """Join the plan's layout (torchrun world, or a single process) and build this rank's runner (with its part in
     a P/D hand-off when `kv_role` says so)."""
-    from transformers import AutoConfig
-
     config = EngineConfig.from_plan(resolved, kv_role)
+    read = _read_config_on_rank_0(config.model_path)  # while the other ranks still import and join
     layout = config.layout
     device = torch.device("cuda" if config.device == "cuda" else "cpu")
     if layout.world_size == 1 and "RANK" not in os.environ:
@@ -85,10 +85,7 @@ def start_rank(
     if device.type == "cpu":
         reuse_freed_memory()
     checkpoint_files(config.model_path)  # a clear error for a folder without weights, before any work
-    try:
-        hf_config = AutoConfig.from_pretrained(config.model_path)
-    except (ValueError, OSError) as exc:
-        raise UserError(f"{config.model_path}/config.json: transformers cannot read it ({exc})") from None
+    hf_config = _shared_config(read, par)
     runner = ModelRunner(
         hf_config,
         config.model_path,
@@ -121,6 +118,25 @@ def start_rank(
     if par.collectives and par.is_driver:
         print(f"dcpctl: collectives: {par.collectives}", file=sys.stderr, flush=True)
     return config, par, runner
+
+
+def _read_config_on_rank_0(folder: str) -> ConfigValues | str | None:
+    """The checkpoint's config read with transformers on rank 0 (the message of a config it cannot read), None on
+    the other ranks: they start without importing transformers and receive it (`_shared_config`)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    try:
+        return read_config(folder)
+    except UserError as exc:
+        return str(exc)
+
+
+def _shared_config(read: ConfigValues | str | None, par: ParallelContext) -> ConfigValues:
+    """Rank 0's config on every rank; a config rank 0 could not read fails every rank with the same message."""
+    read = broadcast_object(read, par.control_group)
+    if isinstance(read, str):
+        raise UserError(read)
+    return read
 
 
 def _write_rank_stats(par: ParallelContext, runner: ModelRunner) -> None:

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import torch
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from engine.checkpoints.config_values import SUPPORTED_ROPE_TYPES, rope_init, rope_type
 from engine.errors import UserError
 from engine.kernels.cpu_kernels import KERNEL_DTYPES, cpu_kernels_available
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class RotaryEmbedding:
@@ -20,13 +18,13 @@ class RotaryEmbedding:
 
     def __init__(self, hf_config, rotary_dim: int, max_positions: int, interleaved: bool, device: torch.device):
         params = dict(getattr(hf_config, "rope_parameters", None) or {})
-        rope_type = params.get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise UserError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        kind = rope_type(hf_config)
+        if kind not in SUPPORTED_ROPE_TYPES:
+            raise UserError(f"rope type {kind!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         # Built on CPU whatever the default device (the model is built under `with torch.device(cuda)`; HF's yarn
         # frequencies are CPU tensors), in fp32 as HF computes them, then moved to `device`
         with torch.device("cpu"):
-            cos, sin = _tables(hf_config, params, rope_type, rotary_dim, max_positions, interleaved)
+            cos, sin = _tables(hf_config, params, kind, rotary_dim, max_positions, interleaved)
         self.cos, self.sin = cos.to(device), sin.to(device)
         self.interleaved = interleaved
 
@@ -51,15 +49,15 @@ class RotaryEmbedding:
 
 
 def _tables(
-    hf_config, params: dict, rope_type: str, rotary_dim: int, max_positions: int, interleaved: bool
+    hf_config, params: dict, kind: str, rotary_dim: int, max_positions: int, interleaved: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Full-width cos and signed sin tables [max_positions, rotary_dim] on the default device."""
-    if rope_type == "default":
+    if kind == "default":
         theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
         inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
         scale = 1.0
     else:
-        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        inv_freq, scale = rope_init(hf_config, kind)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
     cos, sin = freqs.cos() * scale, freqs.sin() * scale
     # Full-width tables so that apply() is x * cos + partner(x) * sin: the sign of each pair's

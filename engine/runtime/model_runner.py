@@ -78,6 +78,7 @@ class ModelRunner:
         self.par = par
         self.device = par.device
         self.backend = backend
+        self.hf_config = hf_config
         self.vocab_size = hf_config.vocab_size
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)

@@ -54,10 +54,10 @@ def host_seconds_per_layer(folder: Path, dcp: int, layers: int, rows: int = DECO
     of `rows` greedy sequences on rank 0 of a tp 1 / `dcp` plan of the (tiny) checkpoint in `folder`, run in this
     process alone, with the threads the engine gives each of the plan's ranks on this node."""
     import torch
-    from transformers import AutoConfig
 
     from engine import devices
     from engine.attention.registry import create_backend
+    from engine.checkpoints.config_values import read_config
     from engine.core.config import EngineConfig
     from engine.core.engine import LLMEngine
     from engine.distributed import init_single
@@ -67,7 +67,7 @@ def host_seconds_per_layer(folder: Path, dcp: int, layers: int, rows: int = DECO
     config = EngineConfig.from_plan(res)
     torch.set_num_threads(max(1, devices.cpu_cores() // config.local_world_size))
     par = init_single(config.placement, torch.device("cpu"))
-    hf_config = AutoConfig.from_pretrained(folder)
+    hf_config = read_config(folder)
     runner = ModelRunner(hf_config, folder, par, torch.float32, create_backend(res.backend), config.max_model_len)
     runner.allocate_cache(CacheLayout(config.num_blocks, BLOCK_SIZE, 1, torch.float32))
     return _decode_step_seconds(LLMEngine(config, par, runner), rows) / layers

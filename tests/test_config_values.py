@@ -1,0 +1,73 @@
+"""A checkpoint's config as plain values: what rank 0 reads with transformers and sends to the other ranks."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.checkpoints.config_values import ConfigValues, read_config
+from engine.errors import UserError
+from engine.layers.rotary import RotaryEmbedding
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "deepseek_v2"])
+def test_the_values_read_as_the_transformers_config_and_build_the_same_rope(arch, tiny_models):
+    from transformers import AutoConfig
+
+    folder = tiny_models(arch)
+    real = AutoConfig.from_pretrained(folder)
+    values = pickle.loads(pickle.dumps(read_config(folder)))  # as another rank receives it
+    assert isinstance(values, ConfigValues)
+    public = [name for name in vars(real) if not name.startswith("_")]
+    assert "num_hidden_layers" in public and "rope_parameters" in public
+    for name in [*public, *real.attribute_map]:
+        assert getattr(values, name) == getattr(real, name), name
+    assert getattr(values, "no_such_field", "default") == "default"
+    with pytest.raises(AttributeError, match="no_such_field"):
+        values.no_such_field  # noqa: B018
+    # DeepSeek-V2's tiny checkpoint has yarn rope: its frequencies come from transformers' init function on rank 0
+    assert hasattr(values, "rope_init") == (arch == "deepseek_v2")
+    dim = getattr(real, "qk_rope_head_dim", None) or real.hidden_size // real.num_attention_heads
+    ours, theirs = (RotaryEmbedding(c, dim, 64, arch == "deepseek_v2", torch.device("cpu")) for c in (values, real))
+    assert torch.equal(ours.cos, theirs.cos) and torch.equal(ours.sin, theirs.sin)
+
+
+def test_a_config_transformers_cannot_read_is_one_line_naming_the_file(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-model"}')
+    with pytest.raises(UserError, match=r"config.json: transformers cannot read it \(") as caught:
+        read_config(tmp_path)
+    assert "\n" not in str(caught.value)
+
+
+def test_the_engine_starts_without_importing_transformers():
+    """The modules a rank imports to start and serve leave transformers to rank 0's own calls (config, tokenizer)."""
+    code = (
+        "import sys, engine.worker, engine.llm, engine.core.startup, engine.serving.hosting\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'sympy')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
+
+
+@pytest.mark.multiproc
+def test_a_config_rank_0_cannot_read_fails_the_two_rank_run_in_one_line(tmp_path, tiny_models):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_models("llama"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "no-such-model"}))
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(f"name: bad\nmodel:\n  path: {folder}\nparallel:\n  dcp: 2\ncache:\n  memory: 64MiB\n")
+    argv = [sys.executable, "-m", "dcpctl.cli", "run", str(plan), "--prompt", "Hi", "--max-tokens", "2"]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert f"{folder}/config.json: transformers cannot read it (" in done.stderr
+    assert "Traceback" not in done.stderr
