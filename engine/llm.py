@@ -15,7 +15,6 @@ from pathlib import Path
 
 from engine.core.sequence import SamplingParams, Sequence, TokenLogprob
 from engine.core.speculative import SpecCounters
-from engine.core.startup import start_engine
 from engine.errors import UserError
 from engine.plan.checks import resolve_plan
 from engine.plan.resolved import ResolvedPlan
@@ -97,6 +96,8 @@ class LLM:
                 f"plan {resolved.name} needs {resolved.world_size} ranks: run it with "
                 f"`dcpctl run {resolved.source}` (or start this script with torchrun)"
             )
+        from engine.core.startup import start_engine  # here: RequestOutput's importers talk to servers, no torch
+
         self.plan = resolved
         engine = start_engine(resolved)
         if engine is None:  # a follower rank: rank 0 has closed its LLM

@@ -17,6 +17,7 @@ from rich.text import Text
 from engine.core.sequence import SamplingParams, TokenLogprob
 from engine.errors import UserError
 from engine.io_utils import atomic_write_text
+from engine.llm import RequestOutput
 
 
 @dataclass
@@ -178,8 +179,6 @@ def _token_id(name: str) -> int:
 
 def _http_record(prompt: str | list[int], response: httpx.Response, latency: float) -> dict:
     """A completions response as an offline record (what `_record` writes for an engine's output)."""
-    from engine.llm import RequestOutput  # not at the top: the engine (torch) is not needed to talk to a server
-
     text_prompt = prompt if isinstance(prompt, str) else None
     try:
         body = response.json()

@@ -49,7 +49,7 @@ def _import_engine(serve: bool) -> None:
     """
     gc.disable()
     try:
-        for module in ("engine.llm", "engine.serving.hosting") if serve else ("engine.llm",):
+        for module in ("engine.llm", "engine.core.startup", *(("engine.serving.hosting",) if serve else ())):
             importlib.import_module(module)
     finally:
         gc.freeze()

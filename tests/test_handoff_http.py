@@ -12,8 +12,8 @@ import pytest
 from engine.core.startup import start_engine
 from engine.kv_transfer.handles import KVRole
 from engine.plan.checks import resolve_plan
-from engine.serving.background import SERVER_KEEP_ALIVE_S
-from engine.serving.hosting import bind_socket, start_server
+from engine.serving.background import SERVER_KEEP_ALIVE_S, bind_socket
+from engine.serving.hosting import start_server
 from engine.serving.router import Router, start_router
 from tests.oracle import LOGPROB_TOL, hf_greedy, prompt_ids, write_plan
 

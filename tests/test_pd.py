@@ -21,8 +21,8 @@ import yaml
 from engine import dcp
 from engine.kv_transfer import transport
 from engine.parallel_layout import ParallelLayout
+from engine.serving.background import bind_socket
 from engine.serving.deployment import Deployment
-from engine.serving.hosting import bind_socket
 from engine.serving.plan_server import PlanServer
 from engine.serving.router import start_router
 from tests.oracle import LOGPROB_TOL, hf_greedy, prompt_ids, write_plan

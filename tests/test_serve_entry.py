@@ -72,6 +72,19 @@ def test_the_launching_process_resolves_a_plan_without_torch(tmp_path, tiny_llam
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_a_pd_supervisor_its_router_and_an_http_client_run_without_torch():
+    """`dcpctl run` of a P/D plan supervises two instances and a router, and `--prompt` sends the prompts over HTTP:
+    none of that imports the engine (a P/D run's launching process imported torch for a socket helper: ~2 s of CPU
+    on the critical path)."""
+    code = (
+        "import sys\n"
+        "import dcpctl.run_cmd, engine.offline, engine.serve_entry, engine.serving.deployment, engine.serving.router\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'engine.core.engine') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert done.stdout.strip() == "[]", done.stdout
+
+
 def test_usage_errors_exit_2():
     assert _run(ENTRY)[0] == 2
     assert _run(DCPCTL_RUN)[0] == 2

@@ -1,13 +1,18 @@
 """Uvicorn servers as the engine's servers and the router use them (`uvicorn_server`), and one run from a background
 thread (tests, tools and offline runs that embed a server or the router): started on a bound socket, returned once
-it accepts connections, stopped on request."""
+it accepts connections, stopped on request. The listening socket (`bind_socket`) and the log lines
+(`configure_logging`) of every server, without the engine's imports (the router and a P/D supervisor have none)."""
 
 from __future__ import annotations
 
+import logging
 import socket
+import sys
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+from engine.errors import UserError
 
 START_TIMEOUT_S = 60.0
 # How long a server keeps an idle keep-alive connection open: longer than common clients keep one in their pools
@@ -82,3 +87,31 @@ def serve_in_background(
             on_stop(START_TIMEOUT_S)
         raise RuntimeError(f"{name} did not start within {START_TIMEOUT_S:.0f} s")
     return ServerHandle(server, thread, sock.getsockname()[1], on_stop)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0 picks a free one); UserError if the port is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UserError(
+            f"serve.port={port} on {host} cannot be used ({exc.strerror}); choose another port "
+            "(or 0 to pick a free one)"
+        ) from None
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def configure_logging() -> None:
+    """The server's and the engine's log lines (dcpctl.*) to stderr."""
+    root = logging.getLogger("dcpctl")
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)

@@ -20,7 +20,7 @@ from types import TracebackType
 
 from engine.errors import UserError
 from engine.runtime.launcher import free_port
-from engine.serving.hosting import bind_socket, configure_logging
+from engine.serving.background import bind_socket, configure_logging
 from engine.serving.plan_server import PlanServer, connect_host, sigterm_interrupts
 from engine.serving.router import Router, router_server, start_router
 from engine.serving.supervision import RESTART_WINDOW_S, SUPERVISOR_ENV, Supervisor

@@ -12,15 +12,12 @@ import asyncio
 import contextlib
 import logging
 import signal
-import socket
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
-from engine.errors import UserError
-from engine.serving.background import ServerHandle, serve_in_background, uvicorn_server
+from engine.serving.background import ServerHandle, bind_socket, configure_logging, serve_in_background, uvicorn_server
 from engine.serving.engine_loop import EngineLoop
 from engine.serving.openai_app import OpenAIServer
 
@@ -32,24 +29,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("dcpctl.server")
 
 SHUTDOWN_GRACE_S = 5  # uvicorn waits this long for connections after in-flight requests were failed
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port (port 0 picks a free one); UserError if the port is taken."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise UserError(
-            f"serve.port={port} on {host} cannot be used ({exc.strerror}); choose another port "
-            "(or 0 to pick a free one)"
-        ) from None
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
 
 
 def _uvicorn_server(app: FastAPI, engine_loop: EngineLoop, banner: Callable[[], None] | None):
@@ -127,13 +106,3 @@ def serve_plan(resolved: ResolvedPlan, kv_role: KVRole | None = None) -> None:
     serve = resolved.plan.serve
     configure_logging()
     serve_engine(engine, serve.host, serve.port, serve.model_name or resolved.name)
-
-
-def configure_logging() -> None:
-    """The server's and the engine's log lines (dcpctl.*) to stderr."""
-    root = logging.getLogger("dcpctl")
-    if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        root.addHandler(handler)
-        root.setLevel(logging.INFO)
