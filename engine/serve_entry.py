@@ -81,7 +81,7 @@ def _serve_instance(resolved: ResolvedPlan, inst: ResolvedPlan, overrides: list[
     resolve the P/D plan file (`resolved`) with the overrides and pick their instance (`--kv-role`). A server stops
     on SIGINT or SIGTERM: a clean stop."""
     if inst.world_size == 1:
-        from engine.serving.hosting import serve_plan
+        from engine.serving.ranks import serve_plan
 
         serve_plan(inst, kv_role)
         return

@@ -7,7 +7,6 @@ a one-line reason to `--error-dir` so the launching command can name the root ca
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import json
 import os
@@ -17,6 +16,7 @@ import traceback
 from pathlib import Path
 
 from engine.errors import PEER_LOST, UserError
+from engine.gc_pause import long_lived_imports
 from engine.io_utils import atomic_write_text
 
 
@@ -42,18 +42,11 @@ def run(argv: list[str] | None = None) -> None:
 
 
 def _import_engine(serve: bool) -> None:
-    """Import the engine with the cyclic GC paused, then freeze what the imports built.
-
-    torch and transformers create millions of long-lived objects; collecting them over and over while
-    two ranks start on two cores cost about a second before the first health check.
-    """
-    gc.disable()
-    try:
-        for module in ("engine.llm", "engine.core.startup", *(("engine.serving.hosting",) if serve else ())):
+    """Import the engine (`long_lived_imports`): rank 0 of a served plan also the server's modules."""
+    serves_api = serve and os.environ.get("RANK", "0") == "0"  # the other ranks follow rank 0's steps
+    with long_lived_imports():
+        for module in ("engine.llm", "engine.core.startup", *(("engine.serving.hosting",) if serves_api else ())):
             importlib.import_module(module)
-    finally:
-        gc.freeze()
-        gc.enable()
 
 
 def _run_job(argv: list[str] | None) -> int:
@@ -75,7 +68,7 @@ def _run_job(argv: list[str] | None) -> int:
 
         resolved = resolve_plan(args.plan, args.overrides)
         if args.serve:
-            from engine.serving.hosting import serve_plan
+            from engine.serving.ranks import serve_plan
 
             kv_role = None
             if args.kv_role:

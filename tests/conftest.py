@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import textwrap
 from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def cpu_set_kept():
+    """A test that steps an engine from pytest's thread gives the thread its CPU set back (`release_threads`):
+    the tests after it would otherwise start every process on one core, and those that need two skip."""
+    before = os.sched_getaffinity(0)
+    yield
+    after = os.sched_getaffinity(0)
+    assert after == before, f"the test left pytest's thread pinned to CPUs {sorted(after)} (it had {sorted(before)})"
 
 
 def write_config(folder: Path, **fields) -> Path:

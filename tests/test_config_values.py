@@ -48,14 +48,19 @@ def test_a_config_transformers_cannot_read_is_one_line_naming_the_file(tmp_path)
     assert "\n" not in str(caught.value)
 
 
-def test_the_engine_starts_without_importing_transformers():
-    """The modules a rank imports to start and serve leave transformers to rank 0's own calls (config, tokenizer)."""
+def test_a_follower_rank_starts_without_transformers_or_the_server():
+    """A rank other than 0 imports what `engine.worker` imports for a served plan there: no transformers (rank 0
+    reads the config, its own calls import it) and no server modules (rank 0 serves); rank 0's server modules bring
+    no transformers either."""
     code = (
-        "import sys, engine.worker, engine.llm, engine.core.startup, engine.serving.hosting\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'sympy')))"
+        "import sys, engine.worker, engine.serving.ranks, engine.llm, engine.core.startup\n"
+        "heavy = ('transformers', 'sympy', 'fastapi', 'uvicorn')\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules if m.split('.')[0] in heavy}))\n"
+        "import engine.serving.hosting\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules if m.split('.')[0] in heavy}))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert done.stdout.strip() == "[]", done.stdout
+    assert done.stdout.split("\n")[:2] == ["[]", "['fastapi']"], done.stdout
 
 
 @pytest.mark.multiproc

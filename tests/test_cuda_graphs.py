@@ -40,10 +40,21 @@ def test_fill_pads_rows_past_the_step_and_overwrites_an_earlier_step():
     assert md.decode.query_start.tolist() == [0, 1, 2, 3, 4] and md.num_decode_tokens == 4
 
 
-def _runner(tmp_path, folder, device: str, eager: bool, dcp: int = 1):
-    settings = {"launch.device": device, "attention.backend": "triton", "model.enforce_eager": eager,
-                "scheduler.max_num_seqs": 8, "parallel.dcp": dcp, "model.max_model_len": 256}  # fmt: skip
-    return start_rank(resolve_plan(write_plan(tmp_path, folder, settings, f"{device}-{eager}.yaml")))[2]
+@pytest.fixture
+def make_runner(tmp_path):
+    """make_runner(folder, device, eager): a plan's runner stepped from this thread, which gets its CPU set back
+    afterwards (the runner pins the stepping thread's OpenMP team; later tests would inherit one core)."""
+    made = []
+
+    def make(folder, device: str, eager: bool):
+        settings = {"launch.device": device, "attention.backend": "triton", "model.enforce_eager": eager,
+                    "scheduler.max_num_seqs": 8, "model.max_model_len": 256}  # fmt: skip
+        made.append(start_rank(resolve_plan(write_plan(tmp_path, folder, settings, f"{device}-{eager}.yaml")))[2])
+        return made[-1]
+
+    yield make
+    for runner in made:
+        runner.release_threads()
 
 
 def _prefill_then_decode(runner, prompts: list[list[int]]) -> tuple[ScheduledStep, torch.Tensor]:
@@ -56,10 +67,10 @@ def _prefill_then_decode(runner, prompts: list[list[int]]) -> tuple[ScheduledSte
     return decode, runner.execute(decode).logits
 
 
-def test_decode_on_static_buffers_equals_the_eager_step(tmp_path, tiny_models):
+def test_decode_on_static_buffers_equals_the_eager_step(make_runner, tiny_models):
     """The step a graph records (padded to a bucket, metadata from the buffers) gives the eager step's logits on the
     real rows: the padding rows change nothing. CPU: the Triton kernels in the interpreter, no graph."""
-    runner = _runner(tmp_path, tiny_models("deepseek_v2"), "cpu", eager=True)
+    runner = make_runner(tiny_models("deepseek_v2"), "cpu", eager=True)
     prompts = prompt_ids(3, [5, 17, 30], seed=2)
     step, eager = _prefill_then_decode(runner, prompts)
     graphs = DecodeGraphs(runner._graph_forward, runner.backend, [4], 256, 8, 16, False, runner.device)
@@ -71,8 +82,8 @@ def test_decode_on_static_buffers_equals_the_eager_step(tmp_path, tiny_models):
 @needs_cuda
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v2"])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_gpu_replay_equals_eager(tmp_path, tiny_models, arch, rows):
-    runner = _runner(tmp_path, tiny_models(arch), "cuda", eager=False)
+def test_gpu_replay_equals_eager(make_runner, tiny_models, arch, rows):
+    runner = make_runner(tiny_models(arch), "cuda", eager=False)
     assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 4, 8]
     prompts = prompt_ids(rows, [5 + 7 * i for i in range(rows)], seed=3)
     step, replayed = _prefill_then_decode(runner, prompts)

@@ -1,6 +1,6 @@
 """Hosting the OpenAI app: a listening socket, uvicorn, the engine thread, and an orderly shutdown.
 
-`serve_plan` is what every rank of a served plan runs (rank 0 serves, the others follow its steps);
+Rank 0 of a served plan serves here (`engine/serving/ranks.py`);
 `serve_engine` serves an engine in this thread until SIGINT/SIGTERM; `start_server` serves one from a background
 thread (tests and tools that embed the server). Shutting down fails the requests in flight first, then stops the
 engine thread, which tells the other ranks to stop.
@@ -17,14 +17,12 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
-from engine.serving.background import ServerHandle, bind_socket, configure_logging, serve_in_background, uvicorn_server
+from engine.serving.background import ServerHandle, bind_socket, serve_in_background, uvicorn_server
 from engine.serving.engine_loop import EngineLoop
 from engine.serving.openai_app import OpenAIServer
 
 if TYPE_CHECKING:
     from engine.core.engine import LLMEngine
-    from engine.kv_transfer.handles import KVRole
-    from engine.plan.resolved import ResolvedPlan
 
 logger = logging.getLogger("dcpctl.server")
 
@@ -93,16 +91,3 @@ def serve_engine(engine: LLMEngine, host: str, port: int, model_name: str) -> No
             signal.signal(signal.SIGTERM, previous)
     finally:
         engine_loop.stop()
-
-
-def serve_plan(resolved: ResolvedPlan, kv_role: KVRole | None = None) -> None:
-    """Every rank of `dcpctl run PLAN`: rank 0 serves the API; the other ranks follow its steps until it stops.
-    `kv_role`: the instance's part in a P/D deployment."""
-    from engine.core.startup import start_engine
-
-    engine = start_engine(resolved, shield_followers=True, kv_role=kv_role)
-    if engine is None:
-        return
-    serve = resolved.plan.serve
-    configure_logging()
-    serve_engine(engine, serve.host, serve.port, serve.model_name or resolved.name)
