@@ -152,3 +152,39 @@ def test_the_stepping_threads_are_pinned_one_to_a_core_and_the_caller_gets_its_c
     else:
         assert seen["cores"] is None
         assert all(t == cores for t in seen["tasks"])
+
+
+TWO_ENGINES_PROBE = """
+import json, os, sys, engine
+from engine import LLM, SamplingParams
+before = sorted(os.sched_getaffinity(0))
+params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+first, second = LLM(sys.argv[1]), LLM(sys.argv[1])
+second.generate([[5, 6, 7]], params)  # `second` pins this thread first, then `first` finds it pinned
+first.generate([[5, 6, 7]], params)
+pinned = sorted(os.sched_getaffinity(0))
+second.close()
+after_one = sorted(os.sched_getaffinity(0))
+first.close()
+restored = sorted(os.sched_getaffinity(0))
+print(json.dumps({"pinned": pinned != before, "after_one": after_one == before, "restored": restored == before}))
+"""
+
+
+def test_two_engines_stepped_from_one_thread_give_it_back_whichever_closes_first(tmp_path, tiny_models):
+    """Two LLMs in one script pin the same thread: the second must not take the first's pinning for the thread's
+    own CPU set, or closing them leaves the script (and every process it starts) on one core."""
+    from engine.kernels.cpu_kernels import cpu_kernels_available
+    from tests.oracle import write_plan
+
+    if len(os.sched_getaffinity(0)) < 2 or not cpu_kernels_available():
+        pytest.skip("needs two cores and the engine's CPU kernels")
+    plan = write_plan(tmp_path, tiny_models("llama"), {"attention.backend": "cpu", "launch.threads_per_rank": 2})
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_CPU_AFFINITY", "OMP_PROC_BIND", "OMP_PLACES")}
+    env["DCPCTL_BIND_THREADS"] = "1"
+    result = subprocess.run(
+        [sys.executable, "-c", TWO_ENGINES_PROBE, str(plan)], env=env, cwd=REPO, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen == {"pinned": True, "after_one": False, "restored": True}

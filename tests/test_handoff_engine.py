@@ -30,9 +30,15 @@ def pair(tmp_path, tiny_models):
     prefill = start_engine(resolve_plan(prefill_plan), kv_role=KVRole("prefill", lease_s=30))
     decode = start_engine(resolve_plan(decode_plan), kv_role=KVRole("decode", transfer_timeout_s=10))
     yield folder, prefill, decode
-    for engine in (prefill, decode):
+    close_engines(prefill, decode)
+
+
+def close_engines(*engines) -> None:
+    """Close in-process engines: their NIXL agents, and the thread that stepped them gets its CPU set back."""
+    for engine in engines:
         engine.runner.kv_exporter and engine.runner.kv_exporter.close()
         engine.runner.kv_receiver and engine.runner.kv_receiver.close()
+        engine.shutdown()
 
 
 def hand_off(prefill, decode, ids, params):

@@ -506,7 +506,7 @@ def test_decode_side_of_a_hand_off_speculates_after_the_pull(tmp_path, echo_mode
     from engine.core.startup import start_engine
     from engine.kv_transfer.handles import KVRole
     from engine.plan.checks import resolve_plan
-    from tests.test_handoff_engine import hand_off, run_until_done
+    from tests.test_handoff_engine import close_engines, hand_off, run_until_done
 
     folder = echo_models("llama")
     speculation = NGRAM
@@ -534,9 +534,7 @@ def test_decode_side_of_a_hand_off_speculates_after_the_pull(tmp_path, echo_mode
         assert proposed > accepted > 0 if method == "ngram" else proposed == accepted > 0
         assert stats["used_blocks"] == 0
     finally:
-        for engine in (prefill, decode):
-            engine.runner.kv_exporter and engine.runner.kv_exporter.close()
-            engine.runner.kv_receiver and engine.runner.kv_receiver.close()
+        close_engines(prefill, decode)
 
 
 def test_disable_by_batch_size_pauses_proposals_in_large_batches(tmp_path, echo_models):

@@ -57,6 +57,33 @@ def calibration_line(scales: list[tuple[float, float]], tokens: int) -> str:
     )
 
 
+class _ThreadCpus:
+    """Each pinned thread's CPU set from before the first runner pinned it, and how many runners hold it pinned: two
+    engines stepped from one thread (two `LLM`s in a script) must not take the other's pinning for the thread's own
+    set, whichever closes first."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[int, tuple[set[int], int]] = {}
+
+    def hold(self, native_id: int) -> None:
+        with self._lock:
+            cpus, holders = self._held.get(native_id, (None, 0))
+            self._held[native_id] = (os.sched_getaffinity(0) if cpus is None else cpus, holders + 1)
+
+    def release(self, native_id: int) -> None:
+        with self._lock:
+            cpus, holders = self._held.pop(native_id)
+            if holders > 1:
+                self._held[native_id] = (cpus, holders - 1)
+                return
+        with suppress(OSError):  # the thread has ended
+            os.sched_setaffinity(native_id, cpus)
+
+
+_THREAD_CPUS = _ThreadCpus()
+
+
 @dataclass
 class StepLogits:
     """fp32 logits for the rows a step asked for, and which rows belong to which chunk."""
@@ -99,7 +126,7 @@ class ModelRunner:
         self.kv_exporter: KVExporter | None = None
         self.kv_receiver: KVReceiver | None = None
         self.thread_cores: tuple[int, ...] | None = None  # where the stepping thread's OpenMP team is pinned
-        self._pinned: tuple[int, set[int]] | None = None  # the stepping thread's id and its CPU set before
+        self._pinned: int | None = None  # the native id of the stepping thread this runner pinned
         self.graphs: DecodeGraphs | None = None
         self._report_calibration = False  # the first step with a prefill calibrates the scales: say what they are
 
@@ -324,19 +351,19 @@ class ModelRunner:
 
     def _pin_threads(self) -> None:
         """Pin the OpenMP team of the thread that steps (the server's engine thread is not the one that started the
-        rank) to `thread_cores`, remembering that thread's own CPU set for `release_threads`."""
+        rank) to `thread_cores`; that thread gets its CPU set back once every runner that pinned it released it."""
         self.release_threads()
-        self._pinned = (threading.get_native_id(), os.sched_getaffinity(0))
+        self._pinned = threading.get_native_id()
+        _THREAD_CPUS.hold(self._pinned)
         bind_threads(self.thread_cores)
 
     def release_threads(self) -> None:
-        """Give the stepping thread its CPU set back (a process that goes on, e.g. a test's, starts its children on
-        all its cores again); its OpenMP workers stay pinned for the next step."""
+        """Let go of the stepping thread: the last runner to let go of it gives it its CPU set back (a process that
+        goes on, e.g. a test's, starts its children on all its cores again); its OpenMP workers stay pinned for the
+        next step."""
         if self._pinned is not None:
-            native_id, cpus = self._pinned
+            _THREAD_CPUS.release(self._pinned)
             self._pinned = None
-            with suppress(OSError):  # the thread has ended
-                os.sched_setaffinity(native_id, cpus)
 
     @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> StepLogits | None:
@@ -344,7 +371,7 @@ class ModelRunner:
         chunks = step.chunks
         if not chunks:
             return None
-        if self.thread_cores is not None and (self._pinned is None or self._pinned[0] != threading.get_native_id()):
+        if self.thread_cores is not None and self._pinned != threading.get_native_id():
             self._pin_threads()
         if self._replayable(step):
             logits = self.graphs.run(self._decode_rows(step, with_lens=True))
