@@ -11,14 +11,15 @@ from pathlib import Path
 import pytest
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def cpu_set_kept():
-    """A test that steps an engine from pytest's thread gives the thread its CPU set back (`release_threads`):
-    the tests after it would otherwise start every process on one core, and those that need two skip."""
+    """A module whose tests step an engine from pytest's thread gives the thread its CPU set back by its end (an
+    engine pins the thread that steps it until it is shut down; a module-scoped `LLM` holds it across the module's
+    tests): the modules after it would otherwise start every process on one core, and those that need two skip."""
     before = os.sched_getaffinity(0)
     yield
     after = os.sched_getaffinity(0)
-    assert after == before, f"the test left pytest's thread pinned to CPUs {sorted(after)} (it had {sorted(before)})"
+    assert after == before, f"the module left pytest's thread pinned to CPUs {sorted(after)} (it had {sorted(before)})"
 
 
 def write_config(folder: Path, **fields) -> Path:
