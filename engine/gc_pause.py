@@ -1,4 +1,4 @@
-"""Building long-lived objects with Python's cyclic GC paused, then frozen out of its later passes."""
+"""Building long-lived objects with Python's cyclic GC paused."""
 
 from __future__ import annotations
 
@@ -8,15 +8,20 @@ from collections.abc import Iterator
 
 
 @contextlib.contextmanager
-def long_lived_imports() -> Iterator[None]:
-    """Pause the cyclic GC for the block (imports, a parsed config), then freeze what it built.
+def gc_paused(freeze: bool = False) -> Iterator[None]:
+    """Pause the cyclic GC for the block (imports, a parsed config); then, with `freeze`, move every object tracked so
+    far out of its later passes (a rank's own process, whose imports live as long as it; never in a user's process,
+    where it would keep garbage waiting for collection alive).
 
     torch and transformers create millions of long-lived objects; collecting them over and over while two ranks
     start on two cores cost about a second before the first health check (rank 0's transformers config: 0.24 s).
     """
+    enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.freeze()
-        gc.enable()
+        if freeze:
+            gc.freeze()
+        if enabled:
+            gc.enable()

@@ -16,7 +16,7 @@ import traceback
 from pathlib import Path
 
 from engine.errors import PEER_LOST, UserError
-from engine.gc_pause import long_lived_imports
+from engine.gc_pause import gc_paused
 from engine.io_utils import atomic_write_text
 
 
@@ -42,9 +42,9 @@ def run(argv: list[str] | None = None) -> None:
 
 
 def _import_engine(serve: bool) -> None:
-    """Import the engine (`long_lived_imports`): rank 0 of a served plan also the server's modules."""
+    """Import the engine with the GC paused, then frozen (`gc_paused`): rank 0 of a served plan also the server."""
     serves_api = serve and os.environ.get("RANK", "0") == "0"  # the other ranks follow rank 0's steps
-    with long_lived_imports():
+    with gc_paused(freeze=True):
         for module in ("engine.llm", "engine.core.startup", *(("engine.serving.hosting",) if serves_api else ())):
             importlib.import_module(module)
 

@@ -29,7 +29,7 @@ def test_the_values_read_as_the_transformers_config_and_build_the_same_rope(arch
     assert isinstance(values, ConfigValues)
     public = [name for name in vars(real) if not name.startswith("_")]
     assert "num_hidden_layers" in public and "rope_parameters" in public
-    for name in [*public, *real.attribute_map]:
+    for name in [*public, *real.attribute_map, "model_type"]:
         assert getattr(values, name) == getattr(real, name), name
     assert getattr(values, "no_such_field", "default") == "default"
     with pytest.raises(AttributeError, match="no_such_field"):
@@ -41,10 +41,19 @@ def test_the_values_read_as_the_transformers_config_and_build_the_same_rope(arch
     assert torch.equal(ours.cos, theirs.cos) and torch.equal(ours.sin, theirs.sin)
 
 
-def test_a_config_transformers_cannot_read_is_one_line_naming_the_file(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "no-such-model"}')
-    with pytest.raises(UserError, match=r"config.json: transformers cannot read it \(") as caught:
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"model_type": "no-such-model"}, "ValueError: The checkpoint you are trying to load has model type"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, 'KeyError: "Missing required keys in `rope_'),
+    ],
+)
+def test_a_config_transformers_cannot_read_is_one_line_naming_the_file(tmp_path, tiny_models, fields, error):
+    config = json.loads((tiny_models("llama") / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **fields}))
+    with pytest.raises(UserError) as caught:
         read_config(tmp_path)
+    assert str(caught.value).startswith(f"{tmp_path}/config.json: transformers cannot read it ({error}")
     assert "\n" not in str(caught.value)
 
 

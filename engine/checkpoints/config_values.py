@@ -50,6 +50,7 @@ def config_values(config) -> ConfigValues:
     """The values of transformers config `config` that the engine reads."""
     values = {name: value for name, value in vars(config).items() if not name.startswith("_")}
     values.update({alias: getattr(config, name) for alias, name in config.attribute_map.items()})
+    values.setdefault("model_type", config.model_type)  # a class attribute, in vars() only when config.json names it
     kind = rope_type(config)
     if kind != "default" and kind in SUPPORTED_ROPE_TYPES:
         values["rope_init"] = rope_init(config, kind)
@@ -60,9 +61,8 @@ def read_config(folder: str | Path) -> ConfigValues:
     """The checkpoint's config.json as transformers parses it (its defaults filled in), as plain values."""
     from transformers import AutoConfig
 
-    try:
-        config = AutoConfig.from_pretrained(folder)
-    except (ValueError, OSError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"{folder}/config.json: transformers cannot read it ({reason})") from None
-    return config_values(config)
+    try:  # transformers' own checks raise KeyError, TypeError, huggingface_hub's validation errors, ...
+        return config_values(AutoConfig.from_pretrained(folder))
+    except Exception as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise UserError(f"{folder}/config.json: transformers cannot read it ({type(exc).__name__}: {reason})") from None

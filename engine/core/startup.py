@@ -24,7 +24,7 @@ from engine.core.config import EngineConfig
 from engine.core.engine import LLMEngine
 from engine.distributed import ParallelContext, broadcast_object, gather_objects, init_parallel, init_single
 from engine.errors import UserError
-from engine.gc_pause import long_lived_imports
+from engine.gc_pause import gc_paused
 from engine.io_utils import atomic_write_text
 from engine.kernels.cpu_kernels import cpu_kernels_available
 from engine.kernels.cpu_threads import rank_cores
@@ -127,7 +127,7 @@ def _read_config_on_rank_0(folder: str) -> ConfigValues | str | None:
     if int(os.environ.get("RANK", "0")) != 0:
         return None
     try:
-        with long_lived_imports():
+        with gc_paused():
             return read_config(folder)
     except UserError as exc:
         return str(exc)

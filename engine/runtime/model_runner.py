@@ -77,8 +77,8 @@ class _ThreadCpus:
             if holders > 1:
                 self._held[native_id] = (cpus, holders - 1)
                 return
-        with suppress(OSError):  # the thread has ended
-            os.sched_setaffinity(native_id, cpus)
+            with suppress(OSError):  # the thread has ended
+                os.sched_setaffinity(native_id, cpus)
 
 
 _THREAD_CPUS = _ThreadCpus()

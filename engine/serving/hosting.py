@@ -1,4 +1,4 @@
-"""Hosting the OpenAI app: a listening socket, uvicorn, the engine thread, and an orderly shutdown.
+"""Hosting the OpenAI app: uvicorn on a bound socket, the engine thread, and an orderly shutdown.
 
 Rank 0 of a served plan serves here (`engine/serving/ranks.py`);
 `serve_engine` serves an engine in this thread until SIGINT/SIGTERM; `start_server` serves one from a background
