@@ -128,29 +128,36 @@ class Examples:
         serving = words[1] == "run" and not {"--prompt", "--prompts-file"} & set(words)
         argv = [sys.executable, "-m", "dcpctl.cli", *words[1:]]
         if serving:
-            self.port = free_port()
-            argv.append(f"serve.port={self.port}")
-            self.server = subprocess.Popen(  # SIGINT as in a terminal, even when this run inherited it ignored (`&`)
-                argv,
-                cwd=self.tmp,
-                env=self.env,
-                stderr=subprocess.PIPE,
-                text=True,
-                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-            )
-            self.wait_healthy()
-            return
+            # A free port can be taken by another worker's process before the server binds it: then a new one.
+            for attempt in range(3):
+                self.port = free_port()
+                self.server = subprocess.Popen(  # SIGINT as in a terminal, even when this run inherited it ignored
+                    [*argv, f"serve.port={self.port}"],
+                    cwd=self.tmp,
+                    env=self.env,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                )
+                if self.wait_healthy(port_race_ok=attempt < 2):
+                    return
         done = subprocess.run(argv, cwd=self.tmp, env=self.env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, f"{line}\n-> {shlex.join(words)}\n{done.stdout}\n{done.stderr}"
 
-    def wait_healthy(self) -> None:
+    def wait_healthy(self, port_race_ok: bool) -> bool:
+        """True once the server answers /health; False if it exited because its port was taken meanwhile (when
+        `port_race_ok`)."""
         deadline = time.monotonic() + 300
         url = f"http://127.0.0.1:{self.port}/health"
         while time.monotonic() < deadline:
-            assert self.server.poll() is None, self.server.stderr.read()
+            if self.server.poll() is not None:
+                error = self.server.stderr.read()
+                self.server = None
+                assert port_race_ok and f"port={self.port} on 127.0.0.1 is already in use" in error, error
+                return False
             try:
                 if httpx.get(url, timeout=2, trust_env=False).status_code == 200:
-                    return
+                    return True
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
