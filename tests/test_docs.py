@@ -68,7 +68,9 @@ def test_every_plan_field_is_documented_with_its_default(generate):
 def test_a_plan_field_without_a_description_fails_the_build(generate, monkeypatch):
     from mkdocs.exceptions import PluginError
 
-    from engine.plan import schema
+    # the loader imported before the patch binds the real Plan; imported first under it, it would keep this test's
+    # Plan for the worker's later tests (their `load_plan` failed on its local ServeSection under xdist)
+    from engine.plan import loader, schema  # noqa: F401
 
     @dataclasses.dataclass
     class ServeSection(schema.ServeSection):
