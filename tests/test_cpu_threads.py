@@ -188,3 +188,42 @@ def test_two_engines_stepped_from_one_thread_give_it_back_whichever_closes_first
     assert result.returncode == 0, result.stderr[-2000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     assert seen == {"pinned": True, "after_one": False, "restored": True}
+
+
+HAND_OVER_PROBE = """
+import json, os, sys, time, engine, torch
+from engine.core.engine import LLMEngine
+from engine.core.startup import start_rank
+from engine.plan.checks import resolve_plan
+from engine.serving.engine_loop import EngineLoop
+config, par, runner = start_rank(resolve_plan(sys.argv[1]))
+x = torch.randn(1 << 22)
+(x * 2).sum()  # this thread forks a team of its own, as loading a real checkpoint does
+tasks = lambda: set(os.listdir("/proc/self/task"))
+before = tasks()
+engine_loop = EngineLoop(LLMEngine(config, par, runner)).start()
+deadline = time.monotonic() + 10
+while len(before - tasks()) < torch.get_num_threads() - 1 and time.monotonic() < deadline:
+    time.sleep(0.05)
+after = tasks()
+engine_loop.stop()
+print(json.dumps({"gone": len(before - after), "new": len(after - before), "threads": torch.get_num_threads()}))
+"""
+
+
+def test_the_thread_that_hands_the_engine_to_a_server_thread_gives_up_its_openmp_workers(tmp_path, tiny_models):
+    """A served engine starts on one thread and steps on another: the starting thread's OpenMP workers exit when it
+    hands the engine over. Two teams would be more OpenMP threads than cores, and libgomp then sleeps at every barrier
+    instead of spinning (served batch-16 decode steps of SmolLM2 ~15% slower, docs/results/cpu-kernels.md)."""
+    from engine.kernels.cpu_kernels import cpu_kernels_available
+    from tests.oracle import write_plan
+
+    if not cpu_kernels_available():
+        pytest.skip("needs the engine's CPU kernels")
+    plan = write_plan(tmp_path, tiny_models("llama"), {"attention.backend": "cpu", "launch.threads_per_rank": 2})
+    result = subprocess.run(
+        [sys.executable, "-c", HAND_OVER_PROBE, str(plan)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen == {"gone": 1, "new": 1, "threads": 2}  # its one worker gone; the engine thread (idle: no team yet)

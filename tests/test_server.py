@@ -23,6 +23,7 @@ from engine import LLM, SamplingParams
 from engine.core.engine import LLMEngine
 from engine.core.startup import start_rank
 from engine.plan.checks import resolve_plan
+from engine.serving.engine_loop import EngineLoop, EngineRequest, Sink, Update
 from engine.serving.hosting import ServerHandle, start_server
 from engine.serving.responses import CompletionLogprobs, stop_holdback
 from tests.oracle import hf_greedy, hf_prompt_logprobs, prompt_ids, write_plan
@@ -236,6 +237,33 @@ def test_streaming_assembles_to_the_non_streaming_text(server):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason == "length"
     assert all(c.usage is None for c in chunks)  # no usage chunk unless asked
+
+
+def test_a_whole_response_is_one_update_at_its_finish_a_streamed_one_an_update_per_token(tmp_path, llama):
+    """The engine thread wakes a whole response's handler once, at the finish, with every token (a batch of them
+    would otherwise wake the server's thread, and take its GIL and a core from the engine thread, at every step);
+    a streamed response gets each step's token as it comes."""
+    config, par, runner = start_rank(resolve_plan(write_plan(tmp_path, llama)))
+    engine_loop = EngineLoop(LLMEngine(config, par, runner)).start()
+
+    async def updates(stream: bool) -> list[Update]:
+        sink = Sink()
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+        await engine_loop.add([EngineRequest(f"req-{stream}", 0, 0, [5, 6, 7, 8], params, stream=stream)], sink, False)
+        seen = [await sink.queue.get()]
+        while seen[-1].finish_reason is None:
+            seen.append(await sink.queue.get())
+        return seen
+
+    try:
+        whole, streamed = asyncio.run(updates(False)), asyncio.run(updates(True))
+    finally:
+        engine_loop.stop()
+    assert [len(u.token_ids) for u in streamed] == [1] * 6
+    assert len(whole) == 1 and whole[0].finish_reason == "length"
+    assert whole[0].token_ids == [t for u in streamed for t in u.token_ids]
+    assert whole[0].logprobs == [lp for u in streamed for lp in u.logprobs] and len(whole[0].logprobs) == 6
+    assert whole[0].text == streamed[-1].text
 
 
 def test_sse_framing_ends_with_done(server):

@@ -378,6 +378,10 @@ class LLMEngine:
             return self._finish(seq, "length")
         return None
 
+    def hand_over_thread(self) -> None:
+        """Call before another thread steps this engine (`ModelRunner.hand_over_thread`)."""
+        self.runner.hand_over_thread()
+
     def shutdown(self) -> None:
         """Tell the other ranks to stop (idempotent)."""
         if not self._stopped:

@@ -365,3 +365,10 @@ def bind_threads(cores: tuple[int, ...]) -> list[int]:
     """Pin the calling thread's OpenMP team (the threads of its torch and oneDNN parallel regions), thread t to
     `cores[t % len(cores)]`; returns the core each thread got (-1: refused)."""
     return list(torch.ops.dcpctl.bind_threads(list(cores)))
+
+
+def release_openmp_pool() -> bool:
+    """Let the calling thread's idle OpenMP workers exit, as a thread that hands the engine to another thread should:
+    libgomp stops spinning at barriers (every region then waits on a futex) while a process has more OpenMP threads
+    than cores. True if the runtime released them."""
+    return torch.ops.dcpctl.release_openmp_pool() == 0

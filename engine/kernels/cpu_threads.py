@@ -14,6 +14,12 @@ with two busy loops on the cores. libgomp reads both variables once, when torch 
 sets them at import; values the user set win (GOMP_SPINCOUNT, where set, replaces the count OMP_WAIT_POLICY
 implies). No torch import here.
 
+The spin holds only while the process has no more OpenMP threads than cores: past that, libgomp "throttles" and
+every barrier sleeps at once whatever GOMP_SPINCOUNT says. Each thread that runs a parallel region keeps a team of
+its own, so a server whose engine loads on the main thread and steps on its engine thread had two teams (3 threads
+on 2 cores): its decode steps slept ~2,000 times a second and ran ~25% longer than the same steps offline. The thread
+that hands an engine to another frees its team first (`LLMEngine.hand_over_thread`).
+
 Where each thread runs is the other half (`rank_cores`): a rank's OpenMP threads are pinned one to a core, as
 vLLM-CPU pins its own (VLLM_CPU_OMP_THREADS_BIND). Unpinned, the threads of a 2-thread team wander: when another
 process takes a core, both may share the other one, and every barrier then waits a time slice.

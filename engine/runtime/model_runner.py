@@ -24,7 +24,7 @@ from engine.checkpoints.kv_scales import read_kv_scales
 from engine.distributed import ParallelContext, gather_objects
 from engine.errors import UserError
 from engine.kernels.cpu_gemm import cpu_paths_line, pack_linears
-from engine.kernels.cpu_kernels import bind_threads
+from engine.kernels.cpu_kernels import bind_threads, cpu_kernels_available, release_openmp_pool
 from engine.kv_transfer.handles import KVRole, PullReport
 from engine.kv_transfer.ranks import KVExporter, KVReceiver
 from engine.layers.attention import PagedAttention
@@ -364,6 +364,13 @@ class ModelRunner:
         if self._pinned is not None:
             _THREAD_CPUS.release(self._pinned)
             self._pinned = None
+
+    def hand_over_thread(self) -> None:
+        """Before another thread steps this runner (a server's engine thread): the calling thread's idle OpenMP
+        workers exit, so that the process keeps one team of threads, not one per thread that ever ran torch ops
+        (libgomp stops spinning at barriers while it has more threads than cores; `release_openmp_pool`)."""
+        if self.device.type == "cpu" and cpu_kernels_available():
+            release_openmp_pool()
 
     @torch.inference_mode()
     def execute(self, step: ScheduledStep) -> StepLogits | None:

@@ -2,8 +2,11 @@
 
 Threads: uvicorn's event loop runs the request handlers; one engine thread owns the `LLMEngine` (not
 thread-safe) and loops `step()` while there is work, sleeping on a condition variable when idle. Handlers hand
-requests to the engine thread through `EngineLoop`'s inbox and get per-step updates on an asyncio.Queue that the
-engine thread feeds with `loop.call_soon_threadsafe`. All requests in flight share the scheduler's batch.
+requests to the engine thread through `EngineLoop`'s inbox and get updates on an asyncio.Queue that the engine
+thread feeds with `loop.call_soon_threadsafe`: every step's for a streamed response, only the finish (and a P/D pull's
+end) for a whole one, so that a batch of whole responses does not wake the server's thread at every token. All
+requests in flight share the scheduler's batch. The thread that started the engine gives it up to the engine thread
+(`LLMEngine.hand_over_thread`): the process keeps one OpenMP team.
 
 A request whose sampling or detokenization fails gets a 500 (an error event when streamed) and the others go on;
 an exception in the engine thread itself (a step, a rank, a collective) fails every request in flight with a 500
@@ -83,6 +86,7 @@ class EngineRequest:
     params: SamplingParams
     export: bool = False  # P/D prefill: keep the prompt's KV for a decode instance
     remote: RemotePrefill | None = None  # P/D decode: pull the prompt's KV from the prefill instance
+    stream: bool = True  # an update every step (a streamed response); else the finish, and a P/D pull's end
 
 
 @dataclass
@@ -97,6 +101,7 @@ class _Submission:
 class _Handle:
     index: int
     sink: Sink
+    stream: bool
     sent_tokens: int = 0
     sent_logprobs: int = 0
     sent_prompt: bool = False
@@ -120,7 +125,9 @@ class EngineLoop:
     # ---- handler side (any thread) ----
 
     def start(self) -> EngineLoop:
+        """Start the engine thread; from now on the engine is stepped there (the calling thread gives it up)."""
         self._snapshot()
+        self.engine.hand_over_thread()
         self._thread.start()
         return self
 
@@ -241,7 +248,7 @@ class EngineLoop:
                     item.prompt_ids, item.params, request_id=item.request_id, export=item.export, remote=item.remote
                 )
                 added.append(item.request_id)
-                self._handles[item.request_id] = _Handle(item.index, sub.sink)
+                self._handles[item.request_id] = _Handle(item.index, sub.sink, item.stream)
         except Exception as exc:
             for request_id in added:
                 self.engine.abort(request_id)
@@ -261,6 +268,12 @@ class EngineLoop:
             handle = self._handles.get(seq.request_id)
             if handle is None:
                 continue
+            finish = seq.finish_reason if seq.is_finished else None
+            pulled = seq.kv_transfer is not None and not handle.sent_kv_transfer
+            if finish is None and not (handle.stream or pulled):
+                # a whole response waits for the end: no wake-up of the server's thread per token, whose GIL and
+                # core time the engine thread would wait for
+                continue
             new_ids = seq.token_ids[seq.num_prompt_tokens + handle.sent_tokens :]
             handle.sent_tokens += len(new_ids)
             new_logprobs = seq.logprobs[handle.sent_logprobs :]
@@ -270,9 +283,8 @@ class EngineLoop:
                 handle.sent_prompt = True
                 if seq.params.prompt_logprobs is not None:
                     prompt_logprobs = list(seq.prompt_logprobs)
-            finish = seq.finish_reason if seq.is_finished else None
             update = Update(handle.index, seq.output_text, new_ids, new_logprobs, prompt_logprobs, finish)
-            if seq.kv_transfer is not None and not handle.sent_kv_transfer:
+            if pulled:
                 handle.sent_kv_transfer = True
                 update.kv_transfer = seq.kv_transfer
             if finish == "error":

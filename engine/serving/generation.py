@@ -88,13 +88,21 @@ class Generation:
         prompt_numbers: list[int],
         link: PrefillLink | None = None,
         export_handle: Callable[[dict], dict] | None = None,
+        stream: bool = True,
     ):
         self.engine_loop = engine_loop
         self.request = request
         self.choices = choices
         self.items = [
             EngineRequest(
-                new_id("req"), c.index, number, c.prompt_ids, p, c.export_requested, c.claimed and c.claimed.remote
+                new_id("req"),
+                c.index,
+                number,
+                c.prompt_ids,
+                p,
+                c.export_requested,
+                c.claimed and c.claimed.remote,
+                stream,
             )
             for c, p, number in zip(choices, params, prompt_numbers, strict=True)
         ]

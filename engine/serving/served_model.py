@@ -131,7 +131,14 @@ class ServedModel:
         if kv_params is not None:
             await self._hand_off(kv_params, req, choices, prompt_numbers, prompt_logprobs)
         gen = Generation(
-            self.engine_loop, request, choices, params, prompt_numbers, self.prefill_link, self.export_handle
+            self.engine_loop,
+            request,
+            choices,
+            params,
+            prompt_numbers,
+            self.prefill_link,
+            self.export_handle,
+            stream=bool(req.stream),
         )
         try:
             await gen.start()

@@ -21,6 +21,7 @@
 //   argmax_rows   torch.argmax over the last dim of fp32 rows (greedy sampling's logits), vectorized.
 //   bind_threads  pin each OpenMP thread of the calling thread's team to one core (the team torch's and oneDNN's
 //                 parallel regions run on when this thread calls them).
+//   release_openmp_pool  let the calling thread's idle OpenMP workers exit (before another thread steps the engine).
 
 // silu_and_mul computes SiLU with ATen's vector exp (Sleef's, exported by libtorch): ATen's vector headers must see
 // the capability of the ATen kernels that torch runs on a CPU of this build's level (cpu_isa.py caps both alike).
@@ -1770,6 +1771,20 @@ std::vector<int64_t> bind_threads(at::IntArrayRef cores) {
   return bound;
 }
 
+// The calling thread's OpenMP thread pool freed (OpenMP 5.0's soft pause; libgomp frees that thread's pool, LLVM's
+// runtime all of its idle threads), its workers gone until the thread forks again. libgomp cuts every barrier's spin
+// to zero (GOMP_SPINCOUNT applies no more) while a process has more OpenMP threads than cores: a server whose engine
+// was loaded on the main thread and steps on another would keep both teams and sleep at every barrier. Returns 0 if
+// released, else the runtime's refusal (or -1 where the OpenMP headers predate 5.0's pause; GCC 9-13 declare it but
+// still report OpenMP 4.5 in _OPENMP).
+int64_t release_openmp_pool() {
+#if defined(_OPENMP) && (_OPENMP >= 201811 || (!defined(__clang__) && __GNUC__ >= 9))
+  return omp_pause_resource_all(omp_pause_soft);
+#else
+  return -1;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dcpctl, m) {
@@ -1790,6 +1805,7 @@ TORCH_LIBRARY(dcpctl, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("prefill_bf16_products() -> str[]", &prefill_bf16_products);  // no tensors to dispatch on
   m.def("bind_threads(int[] cores) -> int[]", &bind_threads);  // no tensors to dispatch on: one kernel for all
+  m.def("release_openmp_pool() -> int", &release_openmp_pool);
 }
 
 TORCH_LIBRARY_IMPL(dcpctl, CPU, m) {
