@@ -100,8 +100,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "DCPCTL_SUPERVISOR_PID",
         "unset",
-        "Set by `dcpctl run` for the processes of a P/D deployment it supervises (its own pid): each stops itself "
-        "within a second when that process is gone. Not for users.",
+        "Set for the servers a dcpctl process starts (a P/D deployment's instances and router, an eval's or a "
+        "bench's plans): its own pid; each stops itself within a second when that process is gone. Not for users.",
         "engine.serving.supervision",
     ),
     EnvVar(

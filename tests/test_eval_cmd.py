@@ -3,6 +3,7 @@ end-to-end comparisons of real `dcpctl run` servers on a tiny checkpoint through
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -195,9 +196,36 @@ def test_server_that_exits_fails_fast_with_its_error(tmp_path):
     assert not server.alive()
 
 
+def test_a_server_whose_picked_port_was_taken_before_it_bound_starts_again_on_another(
+    tmp_path, tiny_llama, monkeypatch
+):
+    """The port a PlanServer picks is free when picked, and the server binds it seconds later (after its imports):
+    another process may take it between the two. The server exits saying so and starts again on a new free port. A
+    port the caller chose is theirs: taken, it is the server's error."""
+    from engine.serving import plan_server
+
+    plan = write_plan(tmp_path, tiny_llama)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        picks, pick = iter([taken]), plan_server.free_port
+        monkeypatch.setattr(plan_server, "free_port", lambda host: next(picks, None) or pick(host))
+        server = PlanServer(plan, [], log_path=tmp_path / "picked.log")
+        assert server.port == taken
+        with server:
+            assert server.port != taken and server.healthy()
+        chosen = PlanServer(plan, [], port=taken, log_path=tmp_path / "chosen.log", label="chosen")
+        in_use = rf"plan chosen: .*serve\.port={taken} on 127\.0\.0\.1 is already in use"
+        with pytest.raises(ServerStartError, match=in_use), chosen:
+            pass
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_signal_to_eval_stops_the_server_it_launched(tmp_path, tiny_llama, sig):
+    """SIGTERM and SIGINT: the eval stops its server on the way out. SIGKILL (the OOM killer's way) runs no clean-up
+    at all: the server notices its launcher is gone and stops itself."""
     import subprocess
     import sys
 
@@ -214,6 +242,7 @@ def test_signal_to_eval_stops_the_server_it_launched(tmp_path, tiny_llama, sig):
         text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+    server = []
     try:
         lines = []
         for line in proc.stdout:  # plain progress lines (not a terminal); lm-eval is imported once healthy
@@ -224,11 +253,14 @@ def test_signal_to_eval_stops_the_server_it_launched(tmp_path, tiny_llama, sig):
         assert len(server) == 1, "".join(lines)
         proc.send_signal(sig)
         assert proc.wait(timeout=90) != 0  # interrupted, not finished
-        _, alive = psutil.wait_procs(server, timeout=5)
+        _, alive = psutil.wait_procs(server, timeout=30 if sig == signal.SIGKILL else 5)
         assert not alive, f"the plan server outlived `dcpctl eval` ({sig.name})"
     finally:
         if proc.poll() is None:
             proc.kill()
+        for leftover in server:  # a failed run leaves no orphan behind
+            with contextlib.suppress(psutil.Error):
+                leftover.kill()
 
 
 def test_ctrl_c_inside_asyncio_run_raises_even_when_the_coroutine_swallows_the_cancellation():

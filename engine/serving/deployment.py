@@ -11,7 +11,6 @@ and stop themselves (SUPERVISOR_ENV).
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import tempfile
 import threading
@@ -23,7 +22,7 @@ from engine.runtime.launcher import free_port
 from engine.serving.background import bind_socket, configure_logging
 from engine.serving.plan_server import PlanServer, connect_host, sigterm_interrupts
 from engine.serving.router import Router, router_server, start_router
-from engine.serving.supervision import RESTART_WINDOW_S, SUPERVISOR_ENV, Supervisor
+from engine.serving.supervision import RESTART_WINDOW_S, Supervisor
 
 INSTANCE_ROLES = ("prefill", "decode")
 
@@ -44,7 +43,6 @@ class Deployment:
         self.run_dir = Path(tempfile.mkdtemp(prefix="dcpctl-pd-"))
         prefill_port = prefill_port or free_port()
         decode_port = decode_port or free_port()
-        env = {**os.environ, SUPERVISOR_ENV: str(os.getpid())}
         self.prefill = PlanServer(
             source,
             overrides,
@@ -53,7 +51,6 @@ class Deployment:
             args=["--role", "prefill"],
             label=f"{name} (prefill)",
             log_path=self.run_dir / "prefill.log",
-            env=env,
         )
         self.decode = PlanServer(
             source,
@@ -63,7 +60,6 @@ class Deployment:
             args=["--role", "decode"],
             label=f"{name} (decode)",
             log_path=self.run_dir / "decode.log",
-            env=env,
         )
         self.router_process: PlanServer | None = None
         if router_at is not None:
@@ -76,7 +72,6 @@ class Deployment:
                 args=["--role", "router"],
                 label=f"{name} (router)",
                 log_path=self.run_dir / "router.log",
-                env=env,
             )
 
     @property

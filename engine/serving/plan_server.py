@@ -3,7 +3,9 @@ engine.serve_entry PLAN`, which `dcpctl run PLAN` also serves through), wait for
 
 evals launches the plans it measures with it, and a P/D deployment its prefill and decode instances. The server
 runs in its own session. torchrun puts each rank in a session of its own, so the process tree is remembered
-(psutil) and whatever of it outlives the server process is killed on stop.
+(psutil) and whatever of it outlives the server process is killed on stop. The server is told which process
+started it (SUPERVISOR_ENV) and stops itself once that process is gone: an eval or a bench killed outright
+(SIGKILL, the OOM killer), which runs no clean-up, leaves no server behind.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from engine.runtime.launcher import free_port
 
 DEFAULT_HEALTH_TIMEOUT_S = 600.0
 _POLL_S = 0.2
+PORT_RACE_RETRIES = 2  # new ports tried when another process took the free port this one picked before the bind
+SUPERVISOR_ENV = "DCPCTL_SUPERVISOR_PID"  # set for the servers a process starts: its pid (`stop_without_supervisor`)
 
 
 class ServerStartError(UserError):
@@ -121,6 +125,7 @@ class PlanServer:
         self.args = list(args or [])  # options of engine.serve_entry (e.g. a P/D instance's --role)
         self.port_key = port_key  # the plan field the port goes to
         self.host = host
+        self.port_picked = not port  # picked here: another free one may be tried (`wait_healthy`)
         self.port = port or free_port(connect_host(host))
         self.health_timeout_s = health_timeout_s
         self.label = label or Path(self.plan).stem
@@ -180,6 +185,7 @@ class PlanServer:
             raise RuntimeError("server already started")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ if self.env is None else self.env, PYTHONUNBUFFERED="1")
+        env[SUPERVISOR_ENV] = str(os.getpid())
         env["COLUMNS"] = "200"  # rich wraps at 80 columns when writing to a file
         with self.log_path.open("wb") as log:
             self.started_at = time.perf_counter()
@@ -206,7 +212,25 @@ class PlanServer:
 
     def wait_healthy(self) -> float:
         """Poll GET /health until 200; return seconds since start. ServerStartError if the process exits or times
-        out."""
+        out. A port picked here is free when picked, but the server binds it seconds later: if another process took
+        it meanwhile (the server exits saying so), the server starts again on another free port."""
+        retries = PORT_RACE_RETRIES if self.port_picked else 0
+        while True:
+            try:
+                return self._wait_healthy_once()
+            except ServerStartError:
+                if retries == 0 or not self._port_taken():
+                    raise
+            retries -= 1
+            self.port = free_port(connect_host(self.host))
+            self.restart(self.log_path)
+
+    def _port_taken(self) -> bool:
+        """Whether the exited server's log says its port was in use when it bound it."""
+        text = self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
+        return f"{self.port_key}={self.port} on " in text and "in use" in text
+
+    def _wait_healthy_once(self) -> float:
         assert self.proc is not None and self.started_at is not None, "start() first"
         deadline = self.started_at + self.health_timeout_s
         url = f"{self.base_url}/health"

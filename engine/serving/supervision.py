@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from engine.errors import UserError
-from engine.serving.plan_server import PlanServer
+from engine.serving.plan_server import SUPERVISOR_ENV, PlanServer
 
 RESTART_WINDOW_S = 600.0
 BACKOFF_FIRST_S = 1.0
@@ -30,7 +30,6 @@ BACKOFF_MAX_S = 30.0
 POLL_S = 0.2
 LIVENESS_EVERY_S = 2.0  # how often a running instance's /health is asked whether its engine failed
 ENGINE_FAILED = "the engine failed"  # how an instance's /health starts its error once its engine has failed
-SUPERVISOR_ENV = "DCPCTL_SUPERVISOR_PID"  # set for the processes a supervisor starts: their parent's pid
 
 
 def report(message: str) -> None:
@@ -149,8 +148,9 @@ def _engine_failure(server: PlanServer) -> str | None:
 
 
 def stop_without_supervisor() -> None:
-    """In a process a supervisor started (SUPERVISOR_ENV names its parent): SIGTERM to itself, a clean stop, once
-    that parent is gone, so that a supervisor killed outright (SIGKILL, the OOM killer) leaves nothing running."""
+    """In a server a `PlanServer` started (SUPERVISOR_ENV names its parent: `dcpctl run` supervising a P/D
+    deployment, an eval or a bench): SIGTERM to itself, a clean stop, once that parent is gone, so that a parent
+    killed outright (SIGKILL, the OOM killer) leaves nothing running."""
     parent = os.environ.pop(SUPERVISOR_ENV, "")
     if not parent.isdigit() or os.getppid() != int(parent):
         return
