@@ -102,7 +102,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "unset",
         "Set for the servers a dcpctl process starts (a P/D deployment's instances and router, an eval's or a "
         "bench's plans): its own pid; each stops itself within a second when that process is gone. Not for users.",
-        "engine.serving.supervision",
+        "engine.serving.parent_watch",
     ),
     EnvVar(
         "OMP_WAIT_POLICY",

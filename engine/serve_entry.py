@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         "--role", choices=ROLES, default="all", help="a P/D plan: serve all of it, or one instance, or the router"
     )
     args = parser.parse_args(argv)
-    from engine.serving.supervision import stop_without_supervisor
+    from engine.serving.parent_watch import stop_without_supervisor
 
     stop_without_supervisor()
     try:

@@ -3,7 +3,9 @@ found ($DCPCTL_VLLM_PYTHON or `vllm` on PATH; slow), and how the vLLM python is 
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,3 +63,42 @@ def test_the_installed_vllm_accepts_the_exports_and_states_its_rules():
         "parser",
         "unrecognized arguments: --dcp-kv-interleave 4",
     )
+
+
+LAUNCHER = """
+import os, subprocess, sys, time
+env = {**os.environ, "DCPCTL_SUPERVISOR_PID": str(os.getpid())}  # as a PlanServer starts its servers
+child = subprocess.Popen([sys.executable, "-I", "-c", sys.argv[1]], env=env)
+print(child.pid, flush=True)
+time.sleep(300)
+"""
+SHIM_SERVER = """
+import sys, time
+sys.path.insert(0, {shims!r})  # as vLLM's python runs it: a script beside no dcpctl package
+import vllm_shim
+vllm_shim._stop_without_supervisor()
+time.sleep(300)
+"""
+
+
+def test_a_vllm_server_stops_itself_once_the_dcpctl_process_that_started_it_is_gone():
+    """The shim serving vLLM for an eval watches its starter as dcpctl's own servers do (parent_watch.py, which it
+    loads by its path: vLLM's venv has no dcpctl package): an eval killed outright leaves no vLLM server behind."""
+    import subprocess
+
+    import psutil
+
+    child = SHIM_SERVER.format(shims=str(ROOT / "engine" / "peers"))
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, child], stdout=subprocess.PIPE, text=True)
+    try:
+        server = psutil.Process(int(launcher.stdout.readline()))
+        time.sleep(2.0)  # the shim is watching by now
+        assert server.is_running()
+        launcher.kill()
+        launcher.wait()
+        _, alive = psutil.wait_procs([server], timeout=15)
+        assert not alive, "the shim outlived the process that started it"
+    finally:
+        launcher.kill()
+        with contextlib.suppress(psutil.Error):
+            server.kill()

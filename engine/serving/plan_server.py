@@ -28,11 +28,11 @@ import httpx
 
 from engine.errors import UserError
 from engine.runtime.launcher import free_port
+from engine.serving.parent_watch import SUPERVISOR_ENV
 
 DEFAULT_HEALTH_TIMEOUT_S = 600.0
 _POLL_S = 0.2
 PORT_RACE_RETRIES = 2  # new ports tried when another process took the free port this one picked before the bind
-SUPERVISOR_ENV = "DCPCTL_SUPERVISOR_PID"  # set for the servers a process starts: its pid (`stop_without_supervisor`)
 
 
 class ServerStartError(UserError):

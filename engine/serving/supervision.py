@@ -11,10 +11,7 @@ dead router ends the run. The terminal lines carry the times an operator asks fo
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from engine.errors import UserError
-from engine.serving.plan_server import SUPERVISOR_ENV, PlanServer
+from engine.serving.plan_server import PlanServer
 
 RESTART_WINDOW_S = 600.0
 BACKOFF_FIRST_S = 1.0
@@ -145,20 +142,3 @@ def _engine_failure(server: PlanServer) -> str | None:
         if error.startswith(ENGINE_FAILED):
             return f"is alive but unusable: {error}"
     return None
-
-
-def stop_without_supervisor() -> None:
-    """In a server a `PlanServer` started (SUPERVISOR_ENV names its parent: `dcpctl run` supervising a P/D
-    deployment, an eval or a bench): SIGTERM to itself, a clean stop, once that parent is gone, so that a parent
-    killed outright (SIGKILL, the OOM killer) leaves nothing running."""
-    parent = os.environ.pop(SUPERVISOR_ENV, "")
-    if not parent.isdigit() or os.getppid() != int(parent):
-        return
-
-    def watch() -> None:
-        while os.getppid() == int(parent):
-            time.sleep(1.0)
-        print(f"error: the supervising dcpctl process {parent} is gone; stopping", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="dcpctl-supervisor-watch", daemon=True).start()
