@@ -125,6 +125,7 @@ class Launched:
         try:
             self.server.start()
             self.launch["time_to_healthy_s"] = round(self.server.wait_healthy(), 2)
+            self.launch |= {"command": self.server.command, "port": self.server.port}  # a retried port's
         except BaseException:
             self._stop()
             raise

@@ -251,7 +251,7 @@ def test_a_whole_response_is_one_update_at_its_finish_a_streamed_one_an_update_p
         params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
         await engine_loop.add([EngineRequest(f"req-{stream}", 0, 0, [5, 6, 7, 8], params, stream=stream)], sink, False)
         seen = [await sink.queue.get()]
-        while seen[-1].finish_reason is None:
+        while seen[-1].finish_reason is None and seen[-1].error is None:
             seen.append(await sink.queue.get())
         return seen
 

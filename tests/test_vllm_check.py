@@ -4,8 +4,9 @@ found ($DCPCTL_VLLM_PYTHON or `vllm` on PATH; slow), and how the vLLM python is 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,7 @@ import sys, time
 sys.path.insert(0, {shims!r})  # as vLLM's python runs it: a script beside no dcpctl package
 import vllm_shim
 vllm_shim._stop_without_supervisor()
+print("watching", flush=True)
 time.sleep(300)
 """
 
@@ -92,8 +94,7 @@ def test_a_vllm_server_stops_itself_once_the_dcpctl_process_that_started_it_is_g
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, child], stdout=subprocess.PIPE, text=True)
     try:
         server = psutil.Process(int(launcher.stdout.readline()))
-        time.sleep(2.0)  # the shim is watching by now
-        assert server.is_running()
+        assert launcher.stdout.readline().strip() == "watching"  # the shim's own line (the pipe is shared)
         launcher.kill()
         launcher.wait()
         _, alive = psutil.wait_procs([server], timeout=15)
@@ -102,3 +103,17 @@ def test_a_vllm_server_stops_itself_once_the_dcpctl_process_that_started_it_is_g
         launcher.kill()
         with contextlib.suppress(psutil.Error):
             server.kill()
+
+
+def test_a_server_whose_starter_died_before_it_could_watch_stops_at_once():
+    """An eval killed while its server is still importing: by the time the server looks, its starter is gone (it
+    has been reparented). It stops at once rather than run forever unwatched."""
+    import subprocess
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that named a starter and is gone
+    child = SHIM_SERVER.format(shims=str(ROOT / "engine" / "peers"))
+    env = {**os.environ, "DCPCTL_SUPERVISOR_PID": str(gone.pid)}
+    server = subprocess.run([sys.executable, "-I", "-c", child], env=env, capture_output=True, text=True, timeout=60)
+    assert server.returncode == -signal.SIGTERM
+    assert f"the dcpctl process {gone.pid} that started this server is gone; stopping" in server.stderr

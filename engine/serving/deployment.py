@@ -5,7 +5,7 @@ nodes (`--role prefill|decode|router`, with `disagg.prefill_url` / `disagg.decod
 With `--role all` the three are subprocesses of this one (`python -m engine.serve_entry PLAN --role ...`), their
 output in a log each, and this process supervises them (`supervision.py`): a dead instance is reported and
 restarted, a dead router ends the run. Stopping this process stops all three; should it die outright, they notice
-and stop themselves (SUPERVISOR_ENV).
+and stop themselves (`parent_watch`).
 """
 
 from __future__ import annotations

@@ -17,15 +17,28 @@ import time
 SUPERVISOR_ENV = "DCPCTL_SUPERVISOR_PID"  # set for the servers a process starts: its pid
 
 
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    return True
+
+
 def stop_without_supervisor() -> None:
-    """In a server whose starter SUPERVISOR_ENV names (and is its parent): SIGTERM to itself, a clean stop, once
-    that parent is gone. Does nothing in a process started otherwise."""
+    """In a server whose starter SUPERVISOR_ENV names: SIGTERM to itself, a clean stop, once that starter is gone,
+    also when it was gone before this ran. Its parent as a rule (then a reused pid cannot fool the watch); a starter
+    with a process between (a wrapper) is watched by its pid. Does nothing in a process started otherwise."""
     parent = os.environ.pop(SUPERVISOR_ENV, "")
-    if not parent.isdigit() or os.getppid() != int(parent):
+    if not parent.isdigit():
         return
+    starter = int(parent)
+    direct = os.getppid() == starter
 
     def watch() -> None:
-        while os.getppid() == int(parent):
+        while os.getppid() == starter if direct else _exists(starter):
             time.sleep(1.0)
         print(
             f"error: the dcpctl process {parent} that started this server is gone; stopping",

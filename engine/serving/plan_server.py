@@ -201,8 +201,8 @@ class PlanServer:
         return self
 
     def restart(self, log_path: Path) -> PlanServer:
-        """Start a new process in place of one that has exited (same command and port, its output to `log_path`, so
-        that the old log stays as it was); whatever of the old process tree is left is killed first."""
+        """Start a new process in place of one that has exited (the same command, its output to `log_path`: another
+        path keeps the old log as it was); whatever of the old process tree is left is killed first."""
         assert self.proc is not None and self.proc.poll() is not None, "restart() replaces an exited server"
         self.stop()
         self.proc, self._tree = None, {}
@@ -226,9 +226,13 @@ class PlanServer:
             self.restart(self.log_path)
 
     def _port_taken(self) -> bool:
-        """Whether the exited server's log says its port was in use when it bound it."""
+        """Whether the exited server's log says its port was in use when it bound it (`ensure_port_free`'s or
+        `bind_socket`'s line)."""
         text = self.log_path.read_text(errors="replace") if self.log_path.is_file() else ""
-        return f"{self.port_key}={self.port} on " in text and "in use" in text
+        taken = re.compile(
+            rf"{re.escape(self.port_key)}={self.port} on \S+ (is already in use|cannot be used \(.*in use)"
+        )
+        return any(taken.search(line) for line in text.splitlines())
 
     def _wait_healthy_once(self) -> float:
         assert self.proc is not None and self.started_at is not None, "start() first"

@@ -1771,8 +1771,8 @@ std::vector<int64_t> bind_threads(at::IntArrayRef cores) {
   return bound;
 }
 
-// The calling thread's OpenMP thread pool freed (OpenMP 5.0's soft pause; libgomp frees that thread's pool, LLVM's
-// runtime all of its idle threads), its workers gone until the thread forks again. libgomp cuts every barrier's spin
+// The calling thread's OpenMP thread pool freed (OpenMP 5.0's soft pause: libgomp frees that thread's pool, its workers
+// gone until the thread forks again; LLVM's runtime puts the process's pool threads to sleep instead). libgomp cuts every barrier's spin
 // to zero (GOMP_SPINCOUNT applies no more) while a process has more OpenMP threads than cores: a server whose engine
 // was loaded on the main thread and steps on another would keep both teams and sleep at every barrier. Returns 0 if
 // released, else the runtime's refusal (or -1 where the OpenMP headers predate 5.0's pause; GCC 9-13 declare it but
