@@ -89,7 +89,7 @@ def whole_prefill(args: argparse.Namespace) -> dict[str, float | str]:
 
     if args.torch_prefill:
         CpuBackend.prefill_new = TorchBackend.prefill_new  # type: ignore[method-assign]
-    llm = LLM("plans/cpu/smollm2_tp1_dcp1.yaml", [f"model.dtype={args.dtype}"])
+    llm = LLM("plans/cpu/smollm2_tp1_dcp1.yaml", [f"model.dtype={args.dtype}", "cache.prefix_caching=false"])
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(100, 40000, (args.prompts, args.prompt_len), generator=g).tolist()
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)

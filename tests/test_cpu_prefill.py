@@ -80,6 +80,7 @@ def check(out, lse, want_o, want_l, dtype) -> None:
         (4, 4, 64, 64),  # no GQA
         (12, 3, 128, 128),
         (5, 1, 40, 24),  # odd head sizes (padded to whole vectors), a group of 5
+        (6, 2, 96, 80),  # values padded to 96 dims: with AVX-512 a tile of 4 vectors of dims and one of 2
     ],
 )
 def test_prefill_causal_matches_fp64_attention(dtype, products, heads, kv_heads, dk, dv):

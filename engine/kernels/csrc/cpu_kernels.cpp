@@ -1066,6 +1066,8 @@ constexpr int64_t kPrefillLanes = sizeof(PrefillVec) / sizeof(float);
 // Query rows per register tile (x 2 vectors of keys for the scores, x 2 vectors of value dims for P.V): 12
 // accumulators + 3 operands in AVX2's 16 registers; 16 + 3 of AVX-512's 32.
 constexpr int64_t kPrefillRows = kPrefillLanes == 16 ? 8 : 6;
+// Each row's running sum of probabilities: 16 lanes of partial sums with AVX-512 (prefill_softmax_row16), else one.
+constexpr int64_t kPrefillSumLanes = kPrefillLanes == 16 ? 16 : 1;
 constexpr int64_t kPrefillKeys = 64;        // keys per block: one packed key panel, the online softmax's step
 // Query rows per work item (its query tokens x the GQA group): 32 tokens at groups of 1-3, fewer for larger groups
 // (MLA: all the heads share one latent KV head), so that an item's rows, scores and sums stay in L2.
@@ -1248,6 +1250,63 @@ inline void prefill_softmax_row(float* __restrict__ row, int64_t visible, int64_
   sum += block_sum;
 }
 
+#if defined(__AVX512F__)
+// exp(x) for x <= 0 on 16 lanes: exp_nonpositive's reduction and polynomial with one rounding per step (FMAs, which
+// exp_nonpositive's scalar and 8-lane forms leave to the build's -ffp-contract=off) and 2^n by vscalefps: 13
+// instructions where the 8-lane form takes ~26 for half the lanes.
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x));
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+// prefill_softmax_row for AVX-512 builds: the block's scores as up to 4 vectors (masked past `visible`), in registers
+// from the max to the stored probabilities; the row's sum stays 16 lanes of partial sums (`sums`), added up once at
+// the end (a horizontal sum per row and block was a serial chain of ~10 instructions).
+inline void prefill_softmax_row16(float* __restrict__ row, int64_t visible, int64_t keys, float& top,
+                                  float* __restrict__ sums, float* __restrict__ acc, int64_t dv_pad) {
+  constexpr int64_t V = kPrefillKeys / 16;
+  static_assert(kPrefillKeys % 16 == 0, "a key block is whole vectors of 16 scores");
+  if (visible <= 0) {  // the whole block is after this row's token
+    std::fill(row, row + keys, 0.f);
+    return;
+  }
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 x[V];
+  __mmask16 lanes[V];
+  __m512 tops = neg_inf;
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < V; ++i) {
+    const int64_t left = std::clamp<int64_t>(visible - 16 * i, 0, 16);
+    lanes[i] = static_cast<__mmask16>((1u << left) - 1u);
+    x[i] = _mm512_mask_loadu_ps(neg_inf, lanes[i], row + 16 * i);
+    tops = _mm512_max_ps(tops, x[i]);
+  }
+  const float next = std::max(top, _mm512_reduce_max_ps(tops));
+  if (next > top) {  // exp(-inf) = 0 on the first block: the accumulator and sum are 0 there anyway
+    const __m512 alphas = _mm512_set1_ps(std::exp(top - next));
+    _mm512_storeu_ps(sums, _mm512_mul_ps(_mm512_loadu_ps(sums), alphas));
+    for (int64_t i = 0; i < dv_pad; i += 16) _mm512_storeu_ps(acc + i, _mm512_mul_ps(_mm512_loadu_ps(acc + i), alphas));
+    top = next;
+  }
+  const __m512 nexts = _mm512_set1_ps(next);
+  __m512 block_sums = _mm512_loadu_ps(sums);
+#pragma GCC unroll 4
+  for (int64_t i = 0; i < V; ++i) {
+    if (16 * i >= keys) break;
+    const __m512 e = _mm512_maskz_mov_ps(lanes[i], exp_nonpositive16(_mm512_sub_ps(x[i], nexts)));
+    block_sums = _mm512_add_ps(block_sums, e);
+    _mm512_storeu_ps(row + 16 * i, e);  // zeros past `visible`, through the vector holding key `keys` - 1
+  }
+  _mm512_storeu_ps(sums, block_sums);
+}
+#endif
+
 // Pack one key block of one prompt and KV head (its keys first .. first + n - 1): keys transposed into a panel
 // [dk][kPrefillKeys] of fp32 (zeros past the prompt), and the block's value rows widened into [n][dv_pad] (zeros
 // past dv).
@@ -1353,7 +1412,8 @@ void prefill_causal_heads(const T* q, const PrefillKeys<T>& src, int64_t prompts
   const std::vector<PrefillItem>& items = plan.items;
   at::parallel_for(0, plan.parts, 1, [&](int64_t part_begin, int64_t part_end) {
     const int64_t max_rows = (QT * group + R - 1) / R * R;
-    std::vector<float> qf(max_rows * dk), scores(max_rows * KB), acc(max_rows * dv_pad), top(max_rows), sum(max_rows);
+    std::vector<float> qf(max_rows * dk), scores(max_rows * KB), acc(max_rows * dv_pad), top(max_rows);
+    std::vector<float> sum(max_rows * kPrefillSumLanes);
     const float neg_inf = -std::numeric_limits<float>::infinity();
     for (int64_t it = plan.part_start(part_begin); it < plan.part_start(part_end); ++it) {
       const PrefillItem& item = items[it];
@@ -1380,8 +1440,13 @@ void prefill_causal_heads(const T* q, const PrefillKeys<T>& src, int64_t prompts
         };
         prefill_scores(qf.data(), padded, dk, panels.get() + block * dk * KB, n_keys, scores.data(), score_keys);
         for (int64_t m = 0; m < rows; ++m)
+#if defined(__AVX512F__)
+          prefill_softmax_row16(scores.data() + m * KB, std::min(visible(m), n_keys), n_keys, top[m],
+                                sum.data() + m * kPrefillSumLanes, acc.data() + m * dv_pad, dv_pad);
+#else
           prefill_softmax_row(scores.data() + m * KB, std::min(visible(m), n_keys), n_keys, top[m], sum[m],
                               acc.data() + m * dv_pad, dv_pad);
+#endif
         for (int64_t m = rows; m < padded; ++m) std::fill(scores.data() + m * KB, scores.data() + m * KB + n_keys, 0.f);
         auto value_keys = [&](int64_t m) { return std::clamp<int64_t>(visible(m), 0, n_keys); };
         prefill_values(scores.data(), padded, values.get() + block * KB * dv_pad, n_keys, dv_pad, acc.data(),
@@ -1390,9 +1455,14 @@ void prefill_causal_heads(const T* q, const PrefillKeys<T>& src, int64_t prompts
       for (int64_t m = 0; m < rows; ++m) {
         const int64_t token = start + item.first + m / group, head = head0 + m % group;
         T* o = out + (token * a.heads + head) * a.dv;
-        const float inv = 1.f / sum[m];
+#if defined(__AVX512F__)
+        const float total = _mm512_reduce_add_ps(_mm512_loadu_ps(sum.data() + m * kPrefillSumLanes));
+#else
+        const float total = sum[m];
+#endif
+        const float inv = 1.f / total;
         for (int64_t i = 0; i < a.dv; ++i) o[i] = from_float<T>(acc[m * dv_pad + i] * inv);
-        lse[token * a.heads + head] = top[m] + std::log(sum[m]);
+        lse[token * a.heads + head] = top[m] + std::log(total);
       }
     }
   });
@@ -1455,26 +1525,36 @@ inline void amx_softmax_row(const float* __restrict__ row, int64_t visible, floa
   _mm512_storeu_si512(probs + 32, (__m512i)_mm512_cvtne2ps_pbh(e[3], e[2]));
 }
 
-// Keys first .. first + n - 1 of one prompt and KV head as K^T [dk/2][64 keys][2] (zeros past n and an odd dk).
+// Keys first .. first + n - 1 of one prompt and KV head as K^T [dk/2][64 keys][2] (zeros past n and an odd dk): a
+// pair of a key's dims is the 32 bits that hold them (little-endian: the first in the low half).
 inline void amx_pack_keys(const PrefillKeys<c10::BFloat16>& src, int64_t prompt, int64_t head, int64_t first,
                           int64_t n, int64_t dk, uint32_t* __restrict__ out) {
   const int64_t pairs = (dk + 1) / 2;
   for (int64_t j = 0; j < n; ++j) {
     const uint16_t* k = reinterpret_cast<const uint16_t*>(src.key(prompt, first + j, head));
-    for (int64_t w = 0; w < dk / 2; ++w) out[w * kPrefillKeys + j] = k[2 * w] | (uint32_t{k[2 * w + 1]} << 16);
+    for (int64_t w = 0; w < dk / 2; ++w) std::memcpy(out + w * kPrefillKeys + j, k + 2 * w, sizeof(uint32_t));
     if (dk % 2) out[(pairs - 1) * kPrefillKeys + j] = k[dk - 1];
   }
   for (int64_t w = 0; w < pairs; ++w) std::fill(out + w * kPrefillKeys + n, out + (w + 1) * kPrefillKeys, 0u);
 }
 
-// The same keys' values as [32 key pairs][stride][2] (zeros past n and past dv).
+// The same keys' values as [32 key pairs][stride][2] (zeros past n and past dv): each 32 bits are one dim of a pair
+// of consecutive keys, the first key in the low half.
 inline void amx_pack_values(const PrefillKeys<c10::BFloat16>& src, int64_t prompt, int64_t head, int64_t first,
                             int64_t n, int64_t dv, int64_t stride, uint16_t* __restrict__ out) {
-  for (int64_t j = 0; j < kPrefillKeys; ++j) {
-    uint16_t* o = out + (j / 2) * stride * 2 + j % 2;
-    const uint16_t* row = j < n ? reinterpret_cast<const uint16_t*>(src.value(prompt, first + j, head)) : nullptr;
-    for (int64_t c = 0; c < dv; ++c) o[2 * c] = row ? row[c] : 0;
-    for (int64_t c = dv; c < stride; ++c) o[2 * c] = 0;
+  for (int64_t j = 0; j < kPrefillKeys; j += 2) {
+    uint32_t* __restrict__ o = reinterpret_cast<uint32_t*>(out) + (j / 2) * stride;
+    auto row = [&](int64_t key) { return reinterpret_cast<const uint16_t*>(src.value(prompt, first + key, head)); };
+    if (j + 1 < n) {
+      const uint16_t *r0 = row(j), *r1 = row(j + 1);
+      for (int64_t c = 0; c < dv; ++c) o[c] = uint32_t{r0[c]} | (uint32_t{r1[c]} << 16);
+    } else if (j < n) {
+      const uint16_t* r0 = row(j);
+      for (int64_t c = 0; c < dv; ++c) o[c] = r0[c];
+    } else {
+      std::fill(o, o + dv, 0u);
+    }
+    std::fill(o + dv, o + stride, 0u);
   }
 }
 
