@@ -1059,15 +1059,15 @@ std::tuple<at::Tensor, at::Tensor> paged_decode(const at::Tensor& q, const at::T
 // register; SSE/NEON builds split it). Any head size: the packed keys and values are padded with zeros.
 #if defined(__AVX512F__)
 using PrefillVec = v16;
+using PrefillInt = v16i;
 #else
 using PrefillVec = v8;
+using PrefillInt = v8i;
 #endif
 constexpr int64_t kPrefillLanes = sizeof(PrefillVec) / sizeof(float);
 // Query rows per register tile (x 2 vectors of keys for the scores, x 2 vectors of value dims for P.V): 12
 // accumulators + 3 operands in AVX2's 16 registers; 16 + 3 of AVX-512's 32.
 constexpr int64_t kPrefillRows = kPrefillLanes == 16 ? 8 : 6;
-// Each row's running sum of probabilities: 16 lanes of partial sums with AVX-512 (prefill_softmax_row16), else one.
-constexpr int64_t kPrefillSumLanes = kPrefillLanes == 16 ? 16 : 1;
 constexpr int64_t kPrefillKeys = 64;        // keys per block: one packed key panel, the online softmax's step
 // Query rows per work item (its query tokens x the GQA group): 32 tokens at groups of 1-3, fewer for larger groups
 // (MLA: all the heads share one latent KV head), so that an item's rows, scores and sums stay in L2.
@@ -1208,104 +1208,74 @@ inline void prefill_values(const float* probs, int64_t rows, const float* values
   }
 }
 
-// One row's online-softmax step over a key block: the scores of its first `visible` keys become exp(score - max) (the
-// rest 0, up to `keys`), the running max and sum move to the new max, and the row's accumulator is rescaled.
-inline void prefill_softmax_row(float* __restrict__ row, int64_t visible, int64_t keys, float& top, float& sum,
-                                float* __restrict__ acc, int64_t dv_pad) {
-  if (visible <= 0) {  // the whole block is after this row's token
-    std::fill(row, row + keys, 0.f);
-    return;
-  }
-  float block_top = row[0];
-  int64_t j = 0;
-  if (visible >= kVec8) {  // 8 lanes of maxima, then the rest one by one
-    v8 tops = vload8(row);
-    for (j = kVec8; j + kVec8 <= visible; j += kVec8) {
-      const v8 x = vload8(row + j);
-      tops = x > tops ? x : tops;
-    }
-    for (int64_t l = 0; l < kVec8; ++l) block_top = std::max(block_top, tops[l]);
-  }
-  for (; j < visible; ++j) block_top = std::max(block_top, row[j]);
-  const float next = std::max(top, block_top);
-  if (next > top) {  // exp(-inf) = 0 on the first block: the accumulator and sum are 0 there anyway
-    const float alpha = std::exp(top - next);
-    sum *= alpha;
-    for (int64_t i = 0; i < dv_pad; ++i) acc[i] *= alpha;
-    top = next;
-  }
-  v8 sums{};
-  for (j = 0; j + kVec8 <= visible; j += kVec8) {
-    const v8 e = exp_nonpositive8(vload8(row + j) - next);
-    std::memcpy(row + j, &e, sizeof(e));
-    sums += e;
-  }
-  float block_sum = 0.f;
-  for (; j < visible; ++j) {
-    row[j] = exp_nonpositive(row[j] - next);
-    block_sum += row[j];
-  }
-  for (int64_t l = 0; l < kVec8; ++l) block_sum += sums[l];
-  std::fill(row + visible, row + keys, 0.f);
-  sum += block_sum;
+// exp(x) for x <= 0 on the prefill's vector: exp_nonpositive's range reduction and degree-7 polynomial with every
+// multiply-add one prefill_madd (one rounding where the build has FMA: the build's -ffp-contract=off leaves
+// exp_nonpositive's a multiply and an add each) and 2^n added into the exponent.
+inline PrefillVec prefill_exp(PrefillVec x) {
+  const PrefillVec floor = prefill_splat(-87.f), magic = prefill_splat(12582912.f);  // 1.5 x 2^23: rounds to integers
+  x = x < floor ? floor : x;
+  const PrefillVec n = prefill_madd(x, prefill_splat(1.44269504f), magic) - magic;
+  const PrefillVec r = prefill_madd(n, prefill_splat(-1.42860677e-6f), prefill_madd(n, prefill_splat(-0.693145752f), x));
+  PrefillVec p = prefill_splat(1.f / 5040.f);
+  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = prefill_madd(p, r, prefill_splat(c));
+  PrefillInt bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits += __builtin_convertvector(n, PrefillInt) << 23;
+  std::memcpy(&p, &bits, sizeof(p));
+  return p;
 }
 
+inline float prefill_max_lanes(PrefillVec v) {
 #if defined(__AVX512F__)
-// exp(x) for x <= 0 on 16 lanes: exp_nonpositive's reduction and polynomial with one rounding per step (FMAs, which
-// exp_nonpositive's scalar and 8-lane forms leave to the build's -ffp-contract=off) and 2^n by vscalefps: 13
-// instructions where the 8-lane form takes ~26 for half the lanes.
-inline __m512 exp_nonpositive16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x));
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_reduce_max_ps(v);
+#else
+  float m = v[0];
+  for (int64_t l = 1; l < kPrefillLanes; ++l) m = std::max(m, v[l]);
+  return m;
+#endif
 }
 
-// prefill_softmax_row for AVX-512 builds: the block's scores as up to 4 vectors (masked past `visible`), in registers
-// from the max to the stored probabilities; the row's sum stays 16 lanes of partial sums (`sums`), added up once at
-// the end (a horizontal sum per row and block was a serial chain of ~10 instructions).
-inline void prefill_softmax_row16(float* __restrict__ row, int64_t visible, int64_t keys, float& top,
-                                  float* __restrict__ sums, float* __restrict__ acc, int64_t dv_pad) {
-  constexpr int64_t V = kPrefillKeys / 16;
-  static_assert(kPrefillKeys % 16 == 0, "a key block is whole vectors of 16 scores");
+// One row's online-softmax step over a key block, in registers: the block's scores as vectors (lanes past `visible`
+// -inf), the block's max, exp(score - max) through key `keys` - 1 (0 past `visible`, stored over the scores), the
+// running max moved to the new max with the row's sums and accumulator rescaled. The row's sum stays kPrefillLanes
+// partial sums (`sums`), added up once when the row is done (a horizontal sum per row and block was a serial chain).
+inline void prefill_softmax_row(float* __restrict__ row, int64_t visible, int64_t keys, float& top,
+                                float* __restrict__ sums, float* __restrict__ acc, int64_t dv_pad) {
+  constexpr int64_t L = kPrefillLanes, V = kPrefillKeys / L;
   if (visible <= 0) {  // the whole block is after this row's token
     std::fill(row, row + keys, 0.f);
     return;
   }
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 x[V];
-  __mmask16 lanes[V];
-  __m512 tops = neg_inf;
-#pragma GCC unroll 4
+  const int64_t vectors = (keys + L - 1) / L;
+  const PrefillVec neg_inf = prefill_splat(-std::numeric_limits<float>::infinity());
+  PrefillInt lane;
+  for (int64_t l = 0; l < L; ++l) lane[l] = static_cast<int32_t>(l);
+  PrefillVec x[V], tops = neg_inf;
+#pragma GCC unroll 8
   for (int64_t i = 0; i < V; ++i) {
-    const int64_t left = std::clamp<int64_t>(visible - 16 * i, 0, 16);
-    lanes[i] = static_cast<__mmask16>((1u << left) - 1u);
-    x[i] = _mm512_mask_loadu_ps(neg_inf, lanes[i], row + 16 * i);
-    tops = _mm512_max_ps(tops, x[i]);
+    if (i == vectors) break;
+    x[i] = prefill_load(row + L * i);
+    x[i] = lane + static_cast<int32_t>(L * i) < static_cast<int32_t>(visible) ? x[i] : neg_inf;
+    tops = x[i] > tops ? x[i] : tops;
   }
-  const float next = std::max(top, _mm512_reduce_max_ps(tops));
-  if (next > top) {  // exp(-inf) = 0 on the first block: the accumulator and sum are 0 there anyway
-    const __m512 alphas = _mm512_set1_ps(std::exp(top - next));
-    _mm512_storeu_ps(sums, _mm512_mul_ps(_mm512_loadu_ps(sums), alphas));
-    for (int64_t i = 0; i < dv_pad; i += 16) _mm512_storeu_ps(acc + i, _mm512_mul_ps(_mm512_loadu_ps(acc + i), alphas));
+  const float next = std::max(top, prefill_max_lanes(tops));
+  if (next > top) {  // exp(-inf) = 0 on the first block: the accumulator and sums are 0 there anyway
+    const PrefillVec alphas = prefill_splat(std::exp(top - next));
+    prefill_store(sums, prefill_load(sums) * alphas);
+    for (int64_t i = 0; i < dv_pad; i += L) prefill_store(acc + i, prefill_load(acc + i) * alphas);
     top = next;
   }
-  const __m512 nexts = _mm512_set1_ps(next);
-  __m512 block_sums = _mm512_loadu_ps(sums);
-#pragma GCC unroll 4
+  const PrefillVec nexts = prefill_splat(next), zero{};
+  PrefillVec block_sums = prefill_load(sums);
+#pragma GCC unroll 8
   for (int64_t i = 0; i < V; ++i) {
-    if (16 * i >= keys) break;
-    const __m512 e = _mm512_maskz_mov_ps(lanes[i], exp_nonpositive16(_mm512_sub_ps(x[i], nexts)));
-    block_sums = _mm512_add_ps(block_sums, e);
-    _mm512_storeu_ps(row + 16 * i, e);  // zeros past `visible`, through the vector holding key `keys` - 1
+    if (i == vectors) break;
+    const PrefillVec e = x[i] == neg_inf ? zero : prefill_exp(x[i] - nexts);
+    block_sums += e;
+    prefill_store(row + L * i, e);
   }
-  _mm512_storeu_ps(sums, block_sums);
+  prefill_store(sums, block_sums);
 }
-#endif
 
 // Pack one key block of one prompt and KV head (its keys first .. first + n - 1): keys transposed into a panel
 // [dk][kPrefillKeys] of fp32 (zeros past the prompt), and the block's value rows widened into [n][dv_pad] (zeros
@@ -1413,7 +1383,7 @@ void prefill_causal_heads(const T* q, const PrefillKeys<T>& src, int64_t prompts
   at::parallel_for(0, plan.parts, 1, [&](int64_t part_begin, int64_t part_end) {
     const int64_t max_rows = (QT * group + R - 1) / R * R;
     std::vector<float> qf(max_rows * dk), scores(max_rows * KB), acc(max_rows * dv_pad), top(max_rows);
-    std::vector<float> sum(max_rows * kPrefillSumLanes);
+    std::vector<float> sum(max_rows * kPrefillLanes);
     const float neg_inf = -std::numeric_limits<float>::infinity();
     for (int64_t it = plan.part_start(part_begin); it < plan.part_start(part_end); ++it) {
       const PrefillItem& item = items[it];
@@ -1440,13 +1410,8 @@ void prefill_causal_heads(const T* q, const PrefillKeys<T>& src, int64_t prompts
         };
         prefill_scores(qf.data(), padded, dk, panels.get() + block * dk * KB, n_keys, scores.data(), score_keys);
         for (int64_t m = 0; m < rows; ++m)
-#if defined(__AVX512F__)
-          prefill_softmax_row16(scores.data() + m * KB, std::min(visible(m), n_keys), n_keys, top[m],
-                                sum.data() + m * kPrefillSumLanes, acc.data() + m * dv_pad, dv_pad);
-#else
-          prefill_softmax_row(scores.data() + m * KB, std::min(visible(m), n_keys), n_keys, top[m], sum[m],
-                              acc.data() + m * dv_pad, dv_pad);
-#endif
+          prefill_softmax_row(scores.data() + m * KB, std::min(visible(m), n_keys), n_keys, top[m],
+                              sum.data() + m * kPrefillLanes, acc.data() + m * dv_pad, dv_pad);
         for (int64_t m = rows; m < padded; ++m) std::fill(scores.data() + m * KB, scores.data() + m * KB + n_keys, 0.f);
         auto value_keys = [&](int64_t m) { return std::clamp<int64_t>(visible(m), 0, n_keys); };
         prefill_values(scores.data(), padded, values.get() + block * KB * dv_pad, n_keys, dv_pad, acc.data(),
@@ -1455,11 +1420,8 @@ void prefill_causal_heads(const T* q, const PrefillKeys<T>& src, int64_t prompts
       for (int64_t m = 0; m < rows; ++m) {
         const int64_t token = start + item.first + m / group, head = head0 + m % group;
         T* o = out + (token * a.heads + head) * a.dv;
-#if defined(__AVX512F__)
-        const float total = _mm512_reduce_add_ps(_mm512_loadu_ps(sum.data() + m * kPrefillSumLanes));
-#else
-        const float total = sum[m];
-#endif
+        float total = 0.f;
+        for (int64_t l = 0; l < kPrefillLanes; ++l) total += sum[m * kPrefillLanes + l];
         const float inv = 1.f / total;
         for (int64_t i = 0; i < a.dv; ++i) o[i] = from_float<T>(acc[m * dv_pad + i] * inv);
         lse[token * a.heads + head] = top[m] + std::log(total);
