@@ -159,7 +159,9 @@ def test_a_killed_instance_is_reported_restarted_and_serves_again(served, role):
         detected = time.monotonic() - killed
         assert f"the {role} instance {instance_url} (pid {victim.pid}) was killed by SIGKILL" in line
         assert line.endswith(f"log: {logs_dir(run) / f'{role}.log'}"), line
-        assert f"restarting the {role} instance {instance_url} in 1 s (restart 1 of at most 3" in terminal(run)
+        # the supervisor says so after it has stopped the rest of the instance's process tree (seconds under load)
+        restarting = f"restarting the {role} instance {instance_url} in 1 s (restart 1 of at most 3"
+        wait_for(lambda: restarting in terminal(run), timeout_s=30, what="the restart report")
         # while it is down: 503 with Retry-After, naming it, from /health and for a request
         down = wait_for(lambda: (r := client.get(f"{url}/health")).status_code == 503 and r, what="router 503")
         assert f"the {role} instance {instance_url} is unhealthy" in down.text
@@ -193,6 +195,7 @@ def test_an_instance_whose_engine_failed_is_restarted(served):
     url = run.base_url
     ids = prompt_ids(1, [9], seed=4)[0]
     with httpx.Client(timeout=120, trust_env=False) as client:
+        wait_for(lambda: client.get(f"{url}/health").status_code == 200, timeout_s=120, what="router healthy")
         before = restarts(client, url)
         victim = piece(run, "prefill")
         up = r"the prefill instance \S+ \(pid \d+\) is healthy again"
