@@ -497,7 +497,13 @@ inline v16 vload16_fp8(const F* p) {
 inline v16 vload16(const Fp8E4m3* p) { return vload16_fp8(p); }
 inline v16 vload16(const Fp8E5m2* p) { return vload16_fp8(p); }
 
-inline v16 vsplat16(float s) { return v16{} + s; }
+inline v16 vsplat16(float s) {
+#if defined(__AVX512F__)
+  return _mm512_set1_ps(s);  // one broadcast (v16{} + s is an add, then the broadcast)
+#else
+  return v16{} + s;
+#endif
+}
 
 // a * b + c with one rounding (the scalar path's std::fma); only AVX-512 builds take the vector path
 inline v16 vfma16(v16 a, v16 b, v16 c) {
@@ -691,13 +697,108 @@ inline v8 exp_nonpositive8(v8 x) {
   return p;
 }
 
-// Ask for `rows` cache rows of `bytes` each, `stride` elements apart, into L1: a block's rows for one KV head are
-// one tile of the paged cache, a page of its own, where the hardware prefetchers (which stop at page boundaries)
-// do not follow the block table.
-template <typename C>
+// Ask for `rows` cache rows of `bytes` each, `stride` elements apart, into L1 (Locality 3; 2: into L2): a block's rows
+// for one KV head are one tile of the paged cache, a page of its own, where the hardware prefetchers (which stop at
+// page boundaries) do not follow the block table.
+template <int Locality = 3, typename C>
 inline void prefetch_rows(const C* row, int64_t rows, int64_t stride, int64_t bytes) {
   for (int64_t r = 0; r < rows; ++r, row += stride)
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + off, 0, 3);
+    for (int64_t off = 0; off < bytes; off += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(row) + off, 0, Locality);
+}
+
+// The vector decode path's key dot products of up to 16 keys (rows `stride` apart, the first `count` real) against H
+// query heads at once: each key row is loaded once for all H heads, whose N query vectors each stay in registers over
+// the 16 keys (q: the heads' vectors one after the other). dots[h][t] is head h's partial lanes for key t (zeros for
+// t >= count), each dot summed in the order the path always used: two chains of FMAs over the row's vectors, then
+// their sum; with Pairs (bf16 on an AVX512-BF16 build) one vdpbf16ps chain over the row's bf16 pairs.
+template <int64_t H, int64_t N, bool Pairs, typename C>
+inline void key_dots16(const v16* q, const C* k, int64_t stride, int64_t count, v16 (*dots)[kVec]) {
+  v16 qr[H][N];
+#pragma GCC unroll 16
+  for (int64_t h = 0; h < H; ++h)
+#pragma GCC unroll 16
+    for (int64_t v = 0; v < N; ++v) qr[h][v] = q[h * N + v];
+  for (int64_t t = 0; t < kVec; ++t, k += stride) {
+    if (t >= count) {
+      for (int64_t h = 0; h < H; ++h) dots[h][t] = v16{};
+      continue;
+    }
+    if constexpr (Pairs) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      __m512bh kr[N];
+#pragma GCC unroll 16
+      for (int64_t v = 0; v < N; ++v) kr[v] = (__m512bh)_mm512_loadu_ps(k + v * 2 * kVec);
+#pragma GCC unroll 16
+      for (int64_t h = 0; h < H; ++h) {
+        __m512 dot = _mm512_setzero_ps();
+#pragma GCC unroll 16
+        for (int64_t v = 0; v < N; ++v) dot = _mm512_dpbf16_ps(dot, (__m512bh)qr[h][v], kr[v]);
+        dots[h][t] = v16(dot);
+      }
+#endif
+    } else {
+      v16 kr[N];
+#pragma GCC unroll 16
+      for (int64_t v = 0; v < N; ++v) kr[v] = vload16(k + v * kVec);
+#pragma GCC unroll 16
+      for (int64_t h = 0; h < H; ++h) {
+        v16 even{}, odd{};  // two chains of FMAs
+#pragma GCC unroll 16
+        for (int64_t v = 0; v < N; ++v) (v % 2 ? odd : even) = vfma16(qr[h][v], kr[v], v % 2 ? odd : even);
+        dots[h][t] = even + odd;
+      }
+    }
+  }
+}
+
+// key_dots16 for a head count only known at run time (1 .. H)
+template <int64_t H, int64_t N, bool Pairs, typename C>
+inline void key_dots16_of(int64_t heads, const v16* q, const C* k, int64_t stride, int64_t count, v16 (*dots)[kVec]) {
+  if constexpr (H > 0) {
+    if (heads == H) return key_dots16<H, N, Pairs>(q, k, stride, count, dots);
+    key_dots16_of<H - 1, N, Pairs>(heads, q, k, stride, count, dots);
+  }
+}
+
+// The vector decode path's value sums of H query heads over one chunk of tokens [from, to): per token one value row
+// of N vectors in registers, times each head's weight (its scores row p[h], from the chunk's first token), into
+// accumulators that stay in registers over the whole chunk; acc[h] receives head h's sums (dv floats). `rows(token)`
+// is the value rows' start of the token's block; the next block's rows are prefetched as a block starts.
+template <int64_t H, int64_t N, typename C, typename Rows>
+inline void value_sums16(const float* const* p, Rows rows, int64_t from, int64_t to, int64_t block, int64_t stride,
+                         int64_t row_bytes, float* const* acc) {
+  v16 sums[H][N] = {};
+  for (int64_t first = from; first < to; first += block) {
+    const C* v = rows(first);
+    const int64_t last = std::min(to, first + block);
+    if (last < to) prefetch_rows(rows(last), block, stride, row_bytes);
+    for (int64_t j = first; j < last; ++j, v += stride) {
+      v16 vr[N];
+#pragma GCC unroll 16
+      for (int64_t i = 0; i < N; ++i) vr[i] = vload16(v + i * kVec);
+#pragma GCC unroll 16
+      for (int64_t h = 0; h < H; ++h) {
+        const v16 w = vsplat16(p[h][j - from]);
+#pragma GCC unroll 16
+        for (int64_t i = 0; i < N; ++i) sums[h][i] = vfma16(w, vr[i], sums[h][i]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int64_t h = 0; h < H; ++h)
+#pragma GCC unroll 16
+    for (int64_t i = 0; i < N; ++i) std::memcpy(acc[h] + i * kVec, &sums[h][i], sizeof(v16));
+}
+
+// value_sums16 for a head count only known at run time (1 .. H)
+template <int64_t H, int64_t N, typename C, typename Rows>
+inline void value_sums16_of(int64_t heads, const float* const* p, Rows rows, int64_t from, int64_t to, int64_t block,
+                            int64_t stride, int64_t row_bytes, float* const* acc) {
+  if constexpr (H > 0) {
+    if (heads == H) return value_sums16<H, N, C>(p, rows, from, to, block, stride, row_bytes, acc);
+    value_sums16_of<H - 1, N, C>(heads, p, rows, from, to, block, stride, row_bytes, acc);
+  }
 }
 
 struct DecodeShape {
@@ -707,6 +808,29 @@ struct DecodeShape {
   float scale;
 };
 
+// One work item's key and value rows (tokens [pos, to) of one KV head of one sequence), asked into L2 a few rows at a
+// time by `advance` while the item before it computes: the item's L1 prefetches then find its rows in L2. With only
+// the L1 prefetches a step's attention waited on memory (AVX-512 bf16 and the AVX2 build ran 1.15-1.5x slower without
+// this on Zen 4; AVX-512 fp32 was level).
+template <typename C>
+struct ItemPrefetch {
+  const C* keys = nullptr;  // the KV head's rows in block 0 of the cache
+  const C* values = nullptr;
+  const int64_t* table = nullptr;
+  int64_t pos = 0, to = 0;
+
+  void advance(int64_t rows, const DecodeShape& a, int64_t key_bytes, int64_t value_bytes) {
+    while (rows > 0 && pos < to) {
+      const int64_t o = pos % a.block, n = std::min({rows, a.block - o, to - pos}), b = table[pos / a.block];
+      prefetch_rows<2>(keys + b * a.key_block_stride + o * a.key_token_stride, n, a.key_token_stride, key_bytes);
+      prefetch_rows<2>(values + b * a.value_block_stride + o * a.value_token_stride, n, a.value_token_stride,
+                       value_bytes);
+      pos += n;
+      rows -= n;
+    }
+  }
+};
+
 constexpr int64_t kMinChunkTokens = 64;  // below this a context is not worth splitting over threads
 
 // Work items are (sequence, KV head, chunk of whole blocks): each key and value row is read and widened
@@ -714,14 +838,16 @@ constexpr int64_t kMinChunkTokens = 64;  // below this a context is not worth sp
 // long contexts split into chunks so that every thread has work. An item leaves, per query head, its
 // chunk's max score, sum of exp(score - max) and exp-weighted value sum; a second pass merges the
 // chunks of each head exactly (the same algebra as the DCP merge).
-// On AVX-512, compile-time head sizes that are whole vectors (64, 128) take the vector path: a key row in registers against
-// each query head (bf16 against a bf16 cache with AVX512-BF16: vdpbf16ps on the stored bits), the value sums of up to
-// 16 vectors of heads in registers over the whole chunk, and the next block's keys and this block's values prefetched
-// 16 rows at a time as the keys go by (a batch-16 decode step read its KV at a third of the memory bandwidth without
-// prefetching, and at 0.6-0.75x of this with each whole block asked for at its start).
+// On AVX-512, compile-time head sizes that are whole vectors (64, 128) take the vector path: each key row loaded once
+// against the query vectors of up to 16 registers' worth of heads (key_dots16; bf16 against a bf16 cache with
+// AVX512-BF16: vdpbf16ps on the stored bits), the value sums of up to 16 vectors of heads in registers over the whole
+// chunk (value_sums16), and the next block's keys and this block's values prefetched 16 rows at a time as the keys go
+// by (a batch-16 decode step read its KV at a third of the memory bandwidth without prefetching, and at 0.6-0.75x of
+// this with each whole block asked for at its start), the next item's rows into L2 at the same pace (ItemPrefetch).
 // On AVX2 (16 registers of 8 lanes) the same sizes take a path of their own: 8 keys at a time against each query head
 // (the query from L1, the 8 dot products in registers, lane_sums8), then block by block the value sums of up to 4
-// heads over slices of their dims (accumulate_values: at most 8 accumulators in registers), the next block prefetched.
+// heads over slices of their dims (accumulate_values: at most 8 accumulators in registers), the next block prefetched
+// and the next item's rows into L2 as on AVX-512.
 template <typename Q, typename C, int64_t FixedDk, int64_t FixedDv>
 void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tables, const int64_t* lens, Q* out,
                   float* lse, const DecodeShape& a) {
@@ -729,11 +855,14 @@ void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tab
   constexpr int64_t kNk = FixedDk / kVec, kNv = FixedDv / kVec;
   constexpr bool kVector8 = kVectorDecode8 && FixedDk > 0 && FixedDk % 64 == 0 && FixedDv > 0 && FixedDv % 64 == 0;
   constexpr int64_t kNk8 = FixedDk / kVec8, kNv8 = FixedDv / kVec8;
-  constexpr int64_t kHeadsInRegisters = kVector ? std::max<int64_t>(1, 16 / std::max<int64_t>(1, kNv)) : 1;
   // key dots on bf16 pairs: 32 dims per register, the query's bits as they are (the scale applied to the sums)
   constexpr bool kBf16Keys = kVector && kBf16DotDecode && FixedDk % (2 * kVec) == 0 &&
                              std::is_same_v<Q, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>;
   constexpr int64_t kNk2 = FixedDk / (2 * kVec);
+  // the vector path's heads per pass: their query vectors (keys) or value sums (values) in 16 of the 32 registers
+  constexpr int64_t kKeyVectors = kBf16Keys ? kNk2 : kNk;
+  constexpr int64_t kKeyHeads = kVector ? std::max<int64_t>(1, 16 / std::max<int64_t>(1, kKeyVectors)) : 1;
+  constexpr int64_t kValueHeads = kVector ? std::max<int64_t>(1, 16 / std::max<int64_t>(1, kNv)) : 1;
   // compile-time head sizes for the common ones let the compiler unroll the per-token loops
   const int64_t dk = FixedDk ? FixedDk : a.dk, dv = FixedDv ? FixedDv : a.dv;
   const int64_t group = a.heads / a.kv_heads, pairs = a.seqs * a.kv_heads;
@@ -747,14 +876,16 @@ void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tab
   std::vector<float> part_acc(part_max.size() * dv, 0.f);
 
   at::parallel_for(0, pairs * chunks, 1, [&](int64_t begin, int64_t end) {
-    // scores: a row per head, padded by a vector (the vector path stores 16 at a time), and zero rows up to a whole
-    // number of the vector path's register groups of heads
-    const int64_t score_rows = (group + kHeadsInRegisters - 1) / kHeadsInRegisters * kHeadsInRegisters;
+    // scores: a row per head, padded by a vector (the vector path stores 16 at a time)
     const int64_t score_stride = chunk + kVec;
     // row: one widened key or value row, or (AVX2 path, bf16) a group of 8 widened keys
     std::vector<float> qf(group * dk), row(std::max(dk, dv) * (kVector8 ? kVec8 : 1));
-    std::vector<float> scores(score_rows * score_stride, 0.f), top(group);
+    std::vector<float> scores(group * score_stride, 0.f), top(group);
     std::vector<v16> qv(kVector ? group * kNk : 0);  // kBf16Keys: the query heads' bf16 pairs (kNk2 each)
+    // the vector path: each head's running max as 16 lanes, and one pass's dot products (key_dots16)
+    std::vector<v16> top_lanes(kVector ? group : 0);
+    v16 dots[kKeyHeads][kVec];
+    const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / (a.kv_heads * chunks), g = item / chunks % a.kv_heads, c = item % chunks;
       const int64_t from = c * chunk, to = std::min(lens[s], from + chunk), n = to - from;
@@ -766,17 +897,22 @@ void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tab
         return values + table[token / a.block] * a.value_block_stride + g * a.value_head_stride;
       };
       const C* next_item_keys = nullptr;  // the vector paths' prefetch target after this item's last key block
+      ItemPrefetch<C> ahead;  // the vector path's: the next item's rows, into L2 as this item's keys go by
       if constexpr (kVector || kVector8) {
         const int64_t after = item + 1, s2 = after / (a.kv_heads * chunks), g2 = after / chunks % a.kv_heads;
         const int64_t from2 = after % chunks * chunk;
-        if (after < end && from2 < lens[s2])
+        if (after < end && from2 < lens[s2]) {
           next_item_keys =
               keys + tables[s2 * a.max_blocks + from2 / a.block] * a.key_block_stride + g2 * a.key_head_stride;
+          ahead = {keys + g2 * a.key_head_stride, values + g2 * a.value_head_stride, tables + s2 * a.max_blocks,
+                   from2, std::min(lens[s2], from2 + chunk)};
+        }
       }
       if constexpr (!kBf16Keys)
         for (int64_t i = 0; i < group * dk; ++i) qf[i] = to_float(q[first_head * dk + i]) * a.scale;
       float* __restrict__ widened = row.data();  // restrict: the stores below never alias the loads
       std::fill(top.begin(), top.end(), neg_inf);
+      std::fill(top_lanes.begin(), top_lanes.end(), vsplat16(neg_inf));
       if constexpr (kBf16Keys) {
         for (int64_t i = 0; i < group * kNk2; ++i) std::memcpy(&qv[i], q + first_head * dk + i * 2 * kVec, sizeof(v16));
       } else if constexpr (kVector) {
@@ -797,34 +933,17 @@ void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tab
               prefetch_rows(next_keys + o * a.key_token_stride, std::min(kVec, a.block - o), a.key_token_stride,
                             dk * int64_t(sizeof(C)));
             prefetch_rows(block_values + o * a.value_token_stride, count, a.value_token_stride, dv * int64_t(sizeof(C)));
-            for (int64_t h = 0; h < group; ++h) {
-              v16 dots[kVec];
-              if constexpr (kBf16Keys) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-                const v16* qh = qv.data() + h * kNk2;
-                for (int64_t t = 0; t < kVec; ++t) {
-                  __m512 dot = _mm512_setzero_ps();
-                  if (t < count)
-                    for (int64_t v = 0; v < kNk2; ++v)
-                      dot = _mm512_dpbf16_ps(dot, (__m512bh)qh[v],
-                                             (__m512bh)_mm512_loadu_ps(k + t * a.key_token_stride + v * 2 * kVec));
-                  dots[t] = v16(dot);
-                }
-#endif
-              } else {
-                const v16* qh = qv.data() + h * kNk;
-                for (int64_t t = 0; t < kVec; ++t) {
-                  const C* kt = k + t * a.key_token_stride;
-                  v16 even{}, odd{};  // two chains of FMAs
-                  if (t < count)
-                    for (int64_t v = 0; v < kNk; ++v)
-                      (v % 2 ? odd : even) = vfma16(qh[v], vload16(kt + v * kVec), v % 2 ? odd : even);
-                  dots[t] = even + odd;
-                }
+            ahead.advance(kVec, a, dk * int64_t(sizeof(C)), dv * int64_t(sizeof(C)));
+            for (int64_t h0 = 0; h0 < group; h0 += kKeyHeads) {
+              const int64_t heads = std::min(kKeyHeads, group - h0);
+              key_dots16_of<kKeyHeads, kKeyVectors, kBf16Keys>(heads, qv.data() + h0 * kKeyVectors, k,
+                                                              a.key_token_stride, count, dots);
+              for (int64_t h = h0; h < h0 + heads; ++h) {
+                const v16 sums = kBf16Keys ? lane_sums16(dots[h - h0]) * a.scale : lane_sums16(dots[h - h0]);
+                std::memcpy(scores.data() + h * score_stride + j0 - from, &sums, sizeof(sums));  // rows padded
+                const v16 live = count == kVec ? sums : (lane < float(count) ? sums : vsplat16(neg_inf));
+                top_lanes[h] = top_lanes[h] < live ? live : top_lanes[h];
               }
-              const v16 sums = kBf16Keys ? lane_sums16(dots) * a.scale : lane_sums16(dots);
-              std::memcpy(scores.data() + h * score_stride + j0 - from, &sums, sizeof(sums));  // rows padded
-              for (int64_t t = 0; t < count; ++t) top[h] = std::max(top[h], sums[t]);
             }
           }
         } else if constexpr (kVector8) {  // 8 keys at a time against each head: their dot products as one vector
@@ -839,6 +958,7 @@ void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tab
                             dk * int64_t(sizeof(C)));
             prefetch_rows(block_values + o * a.value_token_stride, count, a.value_token_stride,
                           dv * int64_t(sizeof(C)));
+            ahead.advance(kVec8, a, dk * int64_t(sizeof(C)), dv * int64_t(sizeof(C)));
             // bf16 keys: the 8 rows widened once into L1 for all the heads, not once per head
             constexpr bool kWiden = !std::is_same_v<C, float>;
             if constexpr (kWiden)
@@ -880,6 +1000,9 @@ void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tab
           }
         }
       }
+      if constexpr (kVector)
+        for (int64_t h = 0; h < group; ++h)
+          for (int64_t t = 0; t < kVec; ++t) top[h] = std::max(top[h], top_lanes[h][t]);
       for (int64_t h = 0; h < group; ++h) {
         float* sh = scores.data() + h * score_stride;
         const float m = top[h];
@@ -908,29 +1031,16 @@ void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tab
         part_sum[(first_head + h) * chunks + c] = sum;
       }
       if constexpr (kVector) {
-        for (int64_t h0 = 0; h0 < group; h0 += kHeadsInRegisters) {
-          const int64_t heads = std::min(kHeadsInRegisters, group - h0);
-          v16 acc[kHeadsInRegisters][kNv] = {};
-          for (int64_t first = from; first < to; first += a.block) {
-            const C* v = value_rows(first);
-            const int64_t last = std::min(to, first + a.block);
-            if (last < to) prefetch_rows(value_rows(last), a.block, a.value_token_stride, dv * int64_t(sizeof(C)));
-            for (int64_t j = first; j < last; ++j, v += a.value_token_stride) {
-              v16 vr[kNv];
-              for (int64_t i = 0; i < kNv; ++i) vr[i] = vload16(v + i * kVec);
-#pragma GCC unroll 16
-              for (int64_t h = 0; h < kHeadsInRegisters; ++h) {  // all of them: the rows past `group` are zeros
-                const v16 p = vsplat16(scores[(h0 + h) * score_stride + j - from]);
-#pragma GCC unroll 16
-                for (int64_t i = 0; i < kNv; ++i) acc[h][i] = vfma16(p, vr[i], acc[h][i]);
-              }
-            }
+        for (int64_t h0 = 0; h0 < group; h0 += kValueHeads) {
+          const int64_t heads = std::min(kValueHeads, group - h0);
+          const float* p[kValueHeads];
+          float* acc[kValueHeads];
+          for (int64_t h = 0; h < heads; ++h) {
+            p[h] = scores.data() + (h0 + h) * score_stride;
+            acc[h] = part_acc.data() + ((first_head + h0 + h) * chunks + c) * dv;
           }
-#pragma GCC unroll 16
-          for (int64_t h = 0; h < kHeadsInRegisters; ++h)
-#pragma GCC unroll 16
-            for (int64_t i = 0; i < kNv; ++i)
-              if (h < heads) std::memcpy(part_acc.data() + ((first_head + h0 + h) * chunks + c) * dv + i * kVec, &acc[h][i], sizeof(v16));
+          value_sums16_of<kValueHeads, kNv, C>(heads, p, value_rows, from, to, a.block, a.value_token_stride,
+                                               dv * int64_t(sizeof(C)), acc);
         }
       } else if constexpr (kVector8) {
         for (int64_t first = from; first < to; first += a.block) {
