@@ -203,7 +203,7 @@ def test_paged_decode_splits_long_contexts_exactly(four_threads, heads, kv_heads
         (4, 4, 64, 16, torch.bfloat16),  # no GQA
         (8, 1, 64, 64, torch.bfloat16),  # a group of 8 (AVX2: 4 + 4)
         (12, 2, 64, 16, torch.float32),  # a group of 6 (AVX-512: keys and values 4 + 2 heads per pass)
-        (20, 2, 64, 64, torch.bfloat16),  # a group of 10 (AVX-512 bf16: keys 8 + 2, values 4 + 4 + 2)
+        (20, 2, 64, 64, torch.bfloat16),  # a group of 10 (AVX512-BF16 keys 8 + 2, else 4 + 4 + 2; values 4 + 4 + 2)
     ],
 )
 def test_paged_decode_ragged_lengths_per_block_size_and_group(threads, heads, kv_heads, dim, block, dtype):
