@@ -54,6 +54,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -752,15 +753,6 @@ inline void key_dots16(const v16* q, const C* k, int64_t stride, int64_t count, 
   }
 }
 
-// key_dots16 for a head count only known at run time (1 .. H)
-template <int64_t H, int64_t N, bool Pairs, typename C>
-inline void key_dots16_of(int64_t heads, const v16* q, const C* k, int64_t stride, int64_t count, v16 (*dots)[kVec]) {
-  if constexpr (H > 0) {
-    if (heads == H) return key_dots16<H, N, Pairs>(q, k, stride, count, dots);
-    key_dots16_of<H - 1, N, Pairs>(heads, q, k, stride, count, dots);
-  }
-}
-
 // The vector decode path's value sums of H query heads over one chunk of tokens [from, to): per token one value row
 // of N vectors in registers, times each head's weight (its scores row p[h], from the chunk's first token), into
 // accumulators that stay in registers over the whole chunk; acc[h] receives head h's sums (dv floats). `rows(token)`
@@ -791,13 +783,13 @@ inline void value_sums16(const float* const* p, Rows rows, int64_t from, int64_t
     for (int64_t i = 0; i < N; ++i) std::memcpy(acc[h] + i * kVec, &sums[h][i], sizeof(v16));
 }
 
-// value_sums16 for a head count only known at run time (1 .. H)
-template <int64_t H, int64_t N, typename C, typename Rows>
-inline void value_sums16_of(int64_t heads, const float* const* p, Rows rows, int64_t from, int64_t to, int64_t block,
-                            int64_t stride, int64_t row_bytes, float* const* acc) {
-  if constexpr (H > 0) {
-    if (heads == H) return value_sums16<H, N, C>(p, rows, from, to, block, stride, row_bytes, acc);
-    value_sums16_of<H - 1, N, C>(heads, p, rows, from, to, block, stride, row_bytes, acc);
+// f(std::integral_constant<int64_t, n>{}) for a count n in 1 .. Max only known at run time: a kernel instantiated per
+// head count (key_dots16, value_sums16) picked once per pass
+template <int64_t Max, typename F>
+inline void with_count(int64_t n, F&& f) {
+  if constexpr (Max > 0) {
+    if (n == Max) return f(std::integral_constant<int64_t, Max>{});
+    with_count<Max - 1>(n, std::forward<F>(f));
   }
 }
 
@@ -902,10 +894,9 @@ void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tab
         const int64_t after = item + 1, s2 = after / (a.kv_heads * chunks), g2 = after / chunks % a.kv_heads;
         const int64_t from2 = after % chunks * chunk;
         if (after < end && from2 < lens[s2]) {
-          next_item_keys =
-              keys + tables[s2 * a.max_blocks + from2 / a.block] * a.key_block_stride + g2 * a.key_head_stride;
           ahead = {keys + g2 * a.key_head_stride, values + g2 * a.value_head_stride, tables + s2 * a.max_blocks,
                    from2, std::min(lens[s2], from2 + chunk)};
+          next_item_keys = ahead.keys + ahead.table[from2 / a.block] * a.key_block_stride;
         }
       }
       if constexpr (!kBf16Keys)
@@ -936,8 +927,10 @@ void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tab
             ahead.advance(kVec, a, dk * int64_t(sizeof(C)), dv * int64_t(sizeof(C)));
             for (int64_t h0 = 0; h0 < group; h0 += kKeyHeads) {
               const int64_t heads = std::min(kKeyHeads, group - h0);
-              key_dots16_of<kKeyHeads, kKeyVectors, kBf16Keys>(heads, qv.data() + h0 * kKeyVectors, k,
-                                                              a.key_token_stride, count, dots);
+              with_count<kKeyHeads>(heads, [&](auto h) {
+                key_dots16<decltype(h)::value, kKeyVectors, kBf16Keys>(qv.data() + h0 * kKeyVectors, k,
+                                                                       a.key_token_stride, count, dots);
+              });
               for (int64_t h = h0; h < h0 + heads; ++h) {
                 const v16 sums = kBf16Keys ? lane_sums16(dots[h - h0]) * a.scale : lane_sums16(dots[h - h0]);
                 std::memcpy(scores.data() + h * score_stride + j0 - from, &sums, sizeof(sums));  // rows padded
@@ -1039,8 +1032,10 @@ void decode_heads(const Q* q, const C* keys, const C* values, const int64_t* tab
             p[h] = scores.data() + (h0 + h) * score_stride;
             acc[h] = part_acc.data() + ((first_head + h0 + h) * chunks + c) * dv;
           }
-          value_sums16_of<kValueHeads, kNv, C>(heads, p, value_rows, from, to, a.block, a.value_token_stride,
-                                               dv * int64_t(sizeof(C)), acc);
+          with_count<kValueHeads>(heads, [&](auto h) {
+            value_sums16<decltype(h)::value, kNv, C>(p, value_rows, from, to, a.block, a.value_token_stride,
+                                                     dv * int64_t(sizeof(C)), acc);
+          });
         }
       } else if constexpr (kVector8) {
         for (int64_t first = from; first < to; first += a.block) {
