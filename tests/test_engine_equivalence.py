@@ -81,6 +81,35 @@ def test_chunked_prefill_mixed_batches_and_preemption(tmp_path, tiny_models, bac
     check_against_hf(folder, prompts, outputs)
 
 
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v2"])
+def test_last_layer_mlp_runs_only_on_the_rows_whose_logits_are_read(tmp_path, tiny_models, arch):
+    """A prompt chunk's logits are read at its last token only (every token with prompt logprobs, none before the
+    end of a chunked prompt): the last layer's MLP sees exactly those rows, and the tokens, logprobs and prompt
+    logprobs still match HF."""
+    from tests.oracle import hf_prompt_logprobs
+
+    folder = tiny_models(arch)
+    prompts = prompt_ids(5, [40, 5, 100, 30, 120], seed=5)
+    plan = write_plan(tmp_path, folder, {"scheduler.max_num_batched_tokens": 48})
+    with LLM(plan) as llm:
+        runner = llm.engine.runner
+        last, first = runner.model.layers[-1].mlp, runner.model.layers[0].mlp
+        seen: dict[str, list[int]] = {"last": [], "first": []}
+        for name, mlp in (("last", last), ("first", first)):
+            mlp.forward = lambda x, run=mlp.forward, name=name: seen[name].append(x.shape[0]) or run(x)
+        expected: list[int] = []
+        execute = runner.execute
+        runner.execute = lambda step: expected.append(sum(c.num_logit_rows for c in step.chunks)) or execute(step)
+        outputs = llm.generate(prompts[:4], greedy(8)) + llm.generate(prompts[4:], greedy(8))  # alone: 48 + 48 + 24
+        (scored,) = llm.generate(prompts[3:4], SamplingParams(max_tokens=1, prompt_logprobs=1))
+    steps_that_read = [n for n in expected if n]
+    assert seen["last"] == steps_that_read and 0 in expected  # a step that only chunks a prompt skips the MLP
+    assert sum(seen["first"]) > sum(seen["last"]) + sum(len(p) for p in prompts) - 8
+    check_against_hf(folder, prompts, outputs, new_tokens=8)
+    ours = [lp.logprob for lp in scored.prompt_logprobs[1:]]
+    assert max(abs(a - b) for a, b in zip(ours, hf_prompt_logprobs(folder, prompts[3]), strict=True)) < LOGPROB_TOL
+
+
 def test_prefix_cache_reuse_gives_same_tokens(tmp_path, tiny_models):
     folder = tiny_models("deepseek_v2")
     shared = prompt_ids(1, [70], seed=2)[0]

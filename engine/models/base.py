@@ -24,11 +24,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
 
     def forward(self, x, residual, rope, cos, sin):
+        return self.feed_forward(*self.attend(x, residual, rope, cos, sin))
+
+    def attend(self, x, residual, rope, cos, sin):
+        """The layer's first half: (attn(norm(x)), residual), every token's K and V written to the cache."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rope, cos, sin)
+        return self.self_attn(x, rope, cos, sin), residual
+
+    def feed_forward(self, x, residual):
+        """The layer's second half: (mlp(norm(x + residual)), x + residual)."""
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -46,13 +53,25 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(self.embed_tokens, tied=self.tied)
         self.rope = rope
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [N, hidden] of one step's tokens."""
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Final hidden states [N, hidden] of one step's tokens, or [len(rows), hidden] of the given rows only.
+
+        With `rows` (the positions whose logits are read: a prompt chunk's last token, not the ~1000 before it) the
+        last layer's MLP and the final norm run on those rows alone; every layer still writes every token's K and V.
+        """
         cos, sin = self.rope.lookup(positions)
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        *layers, last = self.layers
+        for layer in layers:
             x, residual = layer(x, residual, self.rope, cos, sin)
-        x, _ = self.norm(x, residual)
+        x, residual = last.attend(x, residual, self.rope, cos, sin)
+        if rows is not None:
+            x, residual = x[rows], residual[rows]
+            if not len(rows):  # a step of prompt chunks that end no prompt: nothing to read
+                return x
+        x, _ = self.norm(*last.feed_forward(x, residual))
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -32,7 +32,7 @@ from engine.models import build_model
 from engine.models.base import streamline_modules
 from engine.models.loading import load_checkpoint
 from engine.runtime.cuda_graphs import GRAPH_BACKENDS, DecodeGraphs, DecodeRows, capture_sizes
-from engine.runtime.step import ScheduledStep
+from engine.runtime.step import ScheduledChunk, ScheduledStep
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, **kv_quant.FP8_DTYPES}
 
@@ -384,25 +384,31 @@ class ModelRunner:
             logits = self.graphs.run(self._decode_rows(step, with_lens=True))
             return None if logits is None else StepLogits(logits, [(i, 1) for i in range(len(chunks))])
         input_ids, positions, metadata = self.prepare_inputs(step)
+        rows, chunk_rows = logit_rows(chunks)
+        # every rank picks the same rows (the TP collectives of the last layer's MLP run on them); None: every row, in
+        # order (a decode-only step)
+        picked = None if len(rows) == input_ids.numel() else torch.tensor(rows, dtype=torch.int64, device=self.device)
         with step_metadata(metadata):
-            hidden = self.model(input_ids, positions)
+            hidden = self.model(input_ids, positions, picked)
         if self._report_calibration and metadata.prefill is not None:
             self._report_calibration = False
             if self.par.is_driver:
                 print(f"dcpctl: {calibration_line(self.kv_scales, metadata.num_prefill_tokens)}", file=sys.stderr)
-        if not self.par.computes_logits:
+        if not self.par.computes_logits or not rows:
             return None
-        rows: list[int] = []
-        chunk_rows: list[tuple[int, int]] = []
-        offset = 0
-        for ch in chunks:
-            n, count = len(ch.token_ids), ch.num_logit_rows
-            chunk_rows.append((len(rows), count))
-            rows.extend(range(offset + n - count, offset + n))
-            offset += n
-        if not rows:
-            return None
-        if len(rows) < hidden.shape[0]:  # else every row, in order (a decode-only step)
-            hidden = hidden[torch.tensor(rows, device=self.device)]
         logits = self.model.compute_logits(hidden)
         return None if logits is None else StepLogits(logits=logits, chunk_rows=chunk_rows)
+
+
+def logit_rows(chunks: list[ScheduledChunk]) -> tuple[list[int], list[tuple[int, int]]]:
+    """The step's rows whose logits rank 0 needs (indices into its flattened tokens, in order), and per chunk
+    (first of those rows, count)."""
+    rows: list[int] = []
+    chunk_rows: list[tuple[int, int]] = []
+    offset = 0
+    for ch in chunks:
+        n, count = len(ch.token_ids), ch.num_logit_rows
+        chunk_rows.append((len(rows), count))
+        rows.extend(range(offset + n - count, offset + n))
+        offset += n
+    return rows, chunk_rows
