@@ -103,6 +103,20 @@ def test_prefill_causal_matches_fp64_attention(dtype, products, heads, kv_heads,
 
 @NEEDS_KERNELS
 @PATHS
+def test_prefill_causal_stays_finite_where_scores_spread_by_1e15(dtype, products):
+    """Scores ~1e15 apart: every key but a row's largest is e^(-1e15) = 0, where an exp that let such an x reach its
+    polynomial gave inf or NaN for the whole row; the attention picks each row's top key, as fp64 does."""
+    runs_here(dtype, products)
+    lengths = [1, 70, 130]
+    q, k, v, cu = layer_inputs(lengths, 9, 3, 64, 64, dtype, seed=5)
+    q, k = q * 1e8, k * 1e8
+    out, lse = cpu_kernels.prefill_causal(q, k, v, cu, 0.125, products=products)
+    assert out.isfinite().all() and lse.isfinite().all()
+    check(out, lse, *reference(q, k, v, lengths, 0.125), dtype)
+
+
+@NEEDS_KERNELS
+@PATHS
 def test_prefill_causal_takes_mla_values_inside_the_keys(dtype, products):
     """MLA (DeepSeek-V2): one latent KV head for all 16 query heads (items of 6 query tokens: 96 rows), the values
     the first Dv dims of the keys."""

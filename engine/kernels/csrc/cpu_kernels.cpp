@@ -1549,11 +1549,13 @@ void prefill_causal_heads(const T* q, const PrefillKeys<T>& src, int64_t prompts
 // dk and dv.
 constexpr int64_t kAmxItemRows = 192, kAmxMaxTokens = 64;  // rows per item: 64 tokens x a group of 3 (12 row tiles)
 
-// e^x in 16 lanes for x <= 8 (a score less its row's reference point): x = n ln2 + r with |r| <= ln2 / 2 (ln2 split so
-// that n * hi is exact), e^r by its degree-6 Taylor polynomial (relative error < 1.2e-7), and 2^n applied by vscalefps,
-// which also takes a very negative x to 0: 11 instructions, where ATen's exp_u20 takes 19 (its clamps, its
-// conversions to and from integers and its exponent arithmetic). A -inf lane gives NaN: the caller masks those.
+// e^x in 16 lanes for x <= 8 (a score less its row's reference point): x floored at -87 (below, e^x is not a normal
+// fp32: the sums cannot tell, and a far more negative x would leave r too large for the polynomial), x = n ln2 + r with
+// |r| <= ln2 / 2 (ln2 split so that n * hi is exact), e^r by its degree-6 Taylor polynomial (relative error ~2e-7, a
+// few ulp), and 2^n applied by vscalefps: 12 instructions, where ATen's exp_u20 takes 19 (its clamps, its conversions
+// to and from integers and its exponent arithmetic). A NaN stays NaN (the floor's max returns its second operand).
 inline __m512 exp_scaled16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-87.f), x);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
@@ -1566,7 +1568,7 @@ inline __m512 exp_scaled16(__m512 x) {
 // One row's online-softmax step over a key block of 64 scores, 16 lanes at a time: the first `visible` scores, scaled,
 // become exp(score - top) rounded to bfloat16 in `probs` (the rest 0), where `top` is the row's reference point (its
 // running max, moved lazily), and the row's sums and accumulator are rescaled when it moves. The sum stays 16 lanes
-// of partial sums (`sums`), added up once at the end. exp is exp_scaled16 (~1 ulp): the probabilities are rounded to
+// of partial sums (`sums`), added up once at the end. exp is exp_scaled16 (a few ulp): the probabilities are rounded to
 // bfloat16 (2^-9 relative) right after.
 inline void amx_softmax_row(const float* __restrict__ row, int64_t visible, float scale, float& top,
                             float* __restrict__ sums, float* __restrict__ acc, int64_t dv_pad,
