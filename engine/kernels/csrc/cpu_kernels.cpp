@@ -403,13 +403,16 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// The exps' range reduction x = n ln2 + r: log2(e), and ln2 split so that n * kLn2Hi is exact.
+constexpr float kLog2e = 1.44269504f, kLn2Hi = 0.693145752f, kLn2Lo = 1.42860677e-6f;
+
 // exp(x) for x <= 0 in a form the compiler vectorizes (std::exp does not, here): x = n ln2 + r with
 // |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial (relative error < 2e-7), 2^n into the exponent.
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);  // below this e^x underflows fp32's normal range; the sums cannot tell
   // round to nearest even as nearbyint does, in a form that vectorizes: adding 1.5 * 2^23 drops the fraction bits
-  const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;
-  const float r = x - n * 0.693145752f - n * 1.42860677e-6f;  // ln2 split so n * hi is exact
+  const float n = (x * kLog2e + 12582912.f) - 12582912.f;
+  const float r = x - n * kLn2Hi - n * kLn2Lo;
   float p = 1.f / 5040.f;
   p = p * r + 1.f / 720.f;
   p = p * r + 1.f / 120.f;
@@ -681,8 +684,8 @@ inline void accumulate_values(const C* v, int64_t rows, int64_t stride, const fl
 inline v8 exp_nonpositive8(v8 x) {
   const v8 floor = {-87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f, -87.f};
   x = x < floor ? floor : x;
-  const v8 n = (x * 1.44269504f + 12582912.f) - 12582912.f;
-  const v8 r = x - n * 0.693145752f - n * 1.42860677e-6f;
+  const v8 n = (x * kLog2e + 12582912.f) - 12582912.f;
+  const v8 r = x - n * kLn2Hi - n * kLn2Lo;
   v8 p = v8{} + 1.f / 5040.f;
   p = p * r + 1.f / 720.f;
   p = p * r + 1.f / 120.f;
@@ -1319,8 +1322,8 @@ inline void prefill_values(const float* probs, int64_t rows, const float* values
 inline PrefillVec prefill_exp(PrefillVec x) {
   const PrefillVec floor = prefill_splat(-87.f), magic = prefill_splat(12582912.f);  // 1.5 x 2^23: rounds to integers
   x = x < floor ? floor : x;
-  const PrefillVec n = prefill_madd(x, prefill_splat(1.44269504f), magic) - magic;
-  const PrefillVec r = prefill_madd(n, prefill_splat(-1.42860677e-6f), prefill_madd(n, prefill_splat(-0.693145752f), x));
+  const PrefillVec n = prefill_madd(x, prefill_splat(kLog2e), magic) - magic;
+  const PrefillVec r = prefill_madd(n, prefill_splat(-kLn2Lo), prefill_madd(n, prefill_splat(-kLn2Hi), x));
   PrefillVec p = prefill_splat(1.f / 5040.f);
   for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = prefill_madd(p, r, prefill_splat(c));
   PrefillInt bits;
@@ -1556,10 +1559,10 @@ constexpr int64_t kAmxItemRows = 192, kAmxMaxTokens = 64;  // rows per item: 64 
 // to and from integers and its exponent arithmetic). A NaN stays NaN (the floor's max returns its second operand).
 inline __m512 exp_scaled16(__m512 x) {
   x = _mm512_max_ps(_mm512_set1_ps(-87.f), x);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
   __m512 p = _mm512_set1_ps(1.f / 720.f);
   for (const float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, n);
