@@ -232,11 +232,13 @@ inline float lane_sum(__m512 v) {
 
 // The bf16 GEMV on x's and w's own bits: vdpbf16ps does 32 k steps of a row per instruction (exact products, fp32
 // sums), where the widening loop above spends three instructions per 16 weights before its FMA and read the weights
-// at ~60% of what oneDNN's packed path reaches at one row. Four weight rows at a time: four streams in flight, and
-// one x vector per four dot products.
+// at ~60% of what oneDNN's packed path reaches at one row. One weight row at a time, in memory order: consecutive
+// rows' dot products are independent, so the core overlaps them, and the weights stream as one sequence. Four rows
+// interleaved (four streams of 1-3 KB rows) read SmolLM2's weights at ~20 GB/s on a Zen 4, one row at a time at
+// ~35-50 (benchmarks/gemv_roofline.py), with the same sums in the same order.
 void gemv_rows_bf16_dot(const uint16_t* w, const uint16_t* x, const float* bias, int64_t m, int64_t n, int64_t k,
                         uint16_t* y) {
-  constexpr int64_t kRows = 4, kStep = 2 * kLanes;  // kStep: the k values of one register of bf16 pairs
+  constexpr int64_t kStep = 2 * kLanes;  // the k values of one register of bf16 pairs
   const int64_t body = k / kStep * kStep;
   auto load = [](const uint16_t* p) { return as_bf16_pairs(_mm512_loadu_si512(p)); };
   auto load_tail = [&](const uint16_t* p) {  // the last k % kStep values, zero-padded
@@ -244,25 +246,15 @@ void gemv_rows_bf16_dot(const uint16_t* w, const uint16_t* x, const float* bias,
     std::memcpy(padded, p, (k - body) * sizeof(uint16_t));
     return load(padded);
   };
-  at::parallel_for(0, (n + kRows - 1) / kRows, (kGrainRows + kRows - 1) / kRows, [&](int64_t begin, int64_t end) {
-    for (int64_t group = begin; group < end; ++group) {
-      const int64_t j0 = group * kRows, rows = std::min(kRows, n - j0);
-      const uint16_t* row[kRows];
-      for (int64_t r = 0; r < kRows; ++r) row[r] = w + (j0 + std::min(r, rows - 1)) * k;  // short group: repeats
+  at::parallel_for(0, n, kGrainRows, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const uint16_t* row = w + j * k;
       for (int64_t i = 0; i < m; ++i) {
         const uint16_t* xi = x + i * k;
-        __m512 acc[kRows];
-        for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < body; c += kStep) {
-          const __m512bh xv = load(xi + c);
-          for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], load(row[r] + c), xv);
-        }
-        if (body < k) {
-          const __m512bh xv = load_tail(xi + body);
-          for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], load_tail(row[r] + body), xv);
-        }
-        for (int64_t r = 0; r < rows; ++r)
-          y[i * n + j0 + r] = from_fp32<uint16_t>(lane_sum(acc[r]) + (bias ? bias[j0 + r] : 0.f));
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t c = 0; c < body; c += kStep) acc = _mm512_dpbf16_ps(acc, load(row + c), load(xi + c));
+        if (body < k) acc = _mm512_dpbf16_ps(acc, load_tail(row + body), load_tail(xi + body));
+        y[i * n + j] = from_fp32<uint16_t>(lane_sum(acc) + (bias ? bias[j] : 0.f));
       }
     }
   });
