@@ -2,7 +2,7 @@
 //   gemv          y = x @ w.T (+ bias) for a few rows, on the plain [n, k] weight. oneDNN's packed path reads
 //                 the weights at 50-65% of the memory bandwidth here, this row-streaming loop at ~90%
 //                 (benchmarks/gemv_roofline.py). Rows of w split over torch's intra-op threads. bf16 with
-//                 AVX512-BF16: vdpbf16ps on the weight's and x's own bits, four rows of w at a time.
+//                 AVX512-BF16: vdpbf16ps on the weight's and x's own bits, one row of w at a time in memory order.
 //   pack_panels   a [n, k] weight reordered once into panels of kPanel output columns, [ceil(n / kPanel), k, kPanel]
 //                 (the last panel zero-padded), in the weight's own dtype. A bf16 panel row interleaves its two
 //                 vectors' columns (j, j + kLanes) in each 32-bit pair, so that widening them to fp32 is a shift
