@@ -234,8 +234,8 @@ inline float lane_sum(__m512 v) {
 // sums), where the widening loop above spends three instructions per 16 weights before its FMA and read the weights
 // at ~60% of what oneDNN's packed path reaches at one row. One weight row at a time, in memory order: consecutive
 // rows' dot products are independent, so the core overlaps them, and the weights stream as one sequence. Four rows
-// interleaved (four streams of 1-3 KB rows) read SmolLM2's weights at ~20 GB/s on a Zen 4, one row at a time at
-// ~35-50 (benchmarks/gemv_roofline.py), with the same sums in the same order.
+// interleaved (four streams of 1-3 KB rows) read SmolLM2's 121 weights at ~20 GB/s on a Zen 4, one row at a time at
+// ~26-29 (benchmarks/gemv_roofline.py; docs/results/cpu-kernels.md), with the same sums in the same order.
 void gemv_rows_bf16_dot(const uint16_t* w, const uint16_t* x, const float* bias, int64_t m, int64_t n, int64_t k,
                         uint16_t* y) {
   constexpr int64_t kStep = 2 * kLanes;  // the k values of one register of bf16 pairs
