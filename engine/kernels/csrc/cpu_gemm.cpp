@@ -246,6 +246,9 @@ void gemv_rows_bf16_dot(const uint16_t* w, const uint16_t* x, const float* bias,
     std::memcpy(padded, p, (k - body) * sizeof(uint16_t));
     return load(padded);
   };
+  std::vector<__m512bh> x_tails;  // each x row's tail, padded once rather than once per weight row
+  if (body < k)
+    for (int64_t i = 0; i < m; ++i) x_tails.push_back(load_tail(x + i * k + body));
   at::parallel_for(0, n, kGrainRows, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       const uint16_t* row = w + j * k;
@@ -253,7 +256,7 @@ void gemv_rows_bf16_dot(const uint16_t* w, const uint16_t* x, const float* bias,
         const uint16_t* xi = x + i * k;
         __m512 acc = _mm512_setzero_ps();
         for (int64_t c = 0; c < body; c += kStep) acc = _mm512_dpbf16_ps(acc, load(row + c), load(xi + c));
-        if (body < k) acc = _mm512_dpbf16_ps(acc, load_tail(row + body), load_tail(xi + body));
+        if (body < k) acc = _mm512_dpbf16_ps(acc, load_tail(row + body), x_tails[i]);
         y[i * n + j] = from_fp32<uint16_t>(lane_sum(acc) + (bias ? bias[j] : 0.f));
       }
     }
